@@ -1,0 +1,1 @@
+"""Decode pool nodes: Ray actors running vLLM as KV consumers (see the disaggregation issue)."""

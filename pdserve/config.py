@@ -1,0 +1,170 @@
+"""pdserve's one configuration format: a YAML file validated once, at start, by `PDServeConfig`.
+
+Every component reads the typed sub-config it needs; nothing below the entry point re-validates.
+A bad file fails with a message naming the field and the reason (`load_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_MODEL = "default"
+"""Model name that means the embedded SmolLM2-135M-Instruct built by `pdserve model prepare`."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """Arguments for each vLLM engine (the same on every node so KV blocks are interchangeable)."""
+
+    max_model_len: int = Field(2048, gt=0)
+    """Longest prompt + output, in tokens."""
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Weights and KV cache dtype."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs. On CPU bf16 compiled output is not trustworthy."""
+    kv_cache_space_gib: int = Field(2, gt=0)
+    """CPU only: KV cache size per engine in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """GPU only: share of device memory vLLM may use."""
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    """Chunk size for chunked prefill. None: vLLM's default for the device."""
+    max_num_seqs: int = Field(64, gt=0)
+    """Most sequences scheduled together in one engine step."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prompt prefixes."""
+    omp_threads: int | None = Field(None, gt=0)
+    """CPU only: OMP_NUM_THREADS per engine. None: the node's CPU share."""
+    seed: int = 0
+    """Sampling seed for engines (greedy output does not depend on it)."""
+
+
+class PoolConfig(_Strict):
+    """One pool of engine nodes: how many, and what each replica asks Ray for."""
+
+    replicas: int = Field(1, ge=0)
+    """Number of nodes in the pool (the x and y of xPyD)."""
+    num_cpus: float = Field(1, ge=0)
+    """CPUs each node reserves in Ray."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs each node reserves in Ray (0 on CPU machines)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each node needs, e.g. {"prefill_pool": 1} to pin it to prefill hosts."""
+    cpu_bind: list[str] = Field(default_factory=list)
+    """CPU only: VLLM_CPU_OMP_THREADS_BIND per replica (e.g. ["0", "1"]); empty: unbound."""
+
+
+class PoolsConfig(_Strict):
+    """Defaults fit one 2-core machine: 1P1D with a core each, or one colocated engine on both."""
+
+    prefill: PoolConfig = PoolConfig(resources={"prefill_pool": 1}, cpu_bind=["0"])
+    decode: PoolConfig = PoolConfig(resources={"decode_pool": 1}, cpu_bind=["1"])
+    colocated: PoolConfig = PoolConfig(num_cpus=2, cpu_bind=["0-1"])
+    """Used when mode is "colocated": engines that both prefill and decode."""
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    """Address the HTTP and gRPC servers bind to. Loopback unless told otherwise."""
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    api_key: str | None = None
+    """If set, clients must send `Authorization: Bearer <key>` (HTTP) or the same gRPC metadata."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for one request, from arrival to its last token."""
+    max_outstanding_requests: int = Field(256, gt=0)
+    """Requests admitted at once; beyond this the router answers 429 / RESOURCE_EXHAUSTED."""
+    served_model_name: str | None = None
+    """Model name clients use. None: the model folder's name."""
+
+
+class KVTransferConfig(_Strict):
+    transport: Literal["tcp", "nccl"] = "tcp"
+    """Data plane for KV blocks: `tcp` (sockets, any host) or `nccl` (GPU to GPU)."""
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    """On a failed pull: recompute the prefill on the decode node, or fail the request."""
+    host: str = "127.0.0.1"
+    """Address each prefill node's KV server binds to."""
+    port: int = Field(0, ge=0, le=65535)
+    """First port of the KV servers (0: pick free ports)."""
+    secret: str | None = None
+    """Shared cluster secret for the KV handshake. None: a random one per `serve` run."""
+    lease_s: float = Field(30.0, gt=0)
+    """How long a prefill node holds KV blocks waiting for the decode node to pull them."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Deadline for one KV pull."""
+
+
+class RayConfig(_Strict):
+    address: str | None = None
+    """Existing cluster to join (`ray://` or `host:port`). None: start a local Ray."""
+    num_cpus: int | None = Field(None, gt=0)
+    """CPUs of a locally started Ray. None: all of this machine's."""
+
+
+class PDServeConfig(_Strict):
+    model: str = DEFAULT_MODEL
+    """A local Hugging Face model folder, or "default" for the embedded SmolLM2-135M-Instruct."""
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """`colocated`: each engine does prefill and decode. `disaggregated`: separate pools."""
+    engine: EngineConfig = EngineConfig()
+    pools: PoolsConfig = PoolsConfig()
+    router: RouterConfig = RouterConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    ray: RayConfig = RayConfig()
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_default_or_folder(cls, value: str) -> str:
+        if value != DEFAULT_MODEL and not Path(value).expanduser().is_dir():
+            raise ValueError(f"{value!r} is not a local model folder (or use {DEFAULT_MODEL!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _pools_can_serve(self) -> PDServeConfig:
+        if self.mode == "colocated" and self.pools.colocated.replicas < 1:
+            raise ValueError("mode 'colocated' needs pools.colocated.replicas >= 1")
+        if self.mode == "disaggregated" and self.pools.decode.replicas < 1:
+            raise ValueError("mode 'disaggregated' needs pools.decode.replicas >= 1")
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the field and the reason."""
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {where}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict | None, source: str = "<dict>") -> PDServeConfig:
+    try:
+        return PDServeConfig.model_validate(data or {})
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
+
+
+def load_config(path: str | Path | None) -> PDServeConfig:
+    """Read and validate a YAML config; None gives the defaults (the local CPU setup)."""
+    if path is None:
+        return PDServeConfig()
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config {path} is not valid YAML: {error}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    return parse_config(data, str(path))

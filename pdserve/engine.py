@@ -1,0 +1,182 @@
+"""A vLLM `AsyncLLM` hosted in a Ray actor: the unit every pool is made of.
+
+Life of a request through an engine actor:
+1. The router opens `generate` as a Ray streaming call with (request_id, token_ids, params);
+   the prompt is already tokenized, so the engine never re-tokenizes or re-applies a template.
+2. `generate` feeds vLLM with `RequestOutputKind.DELTA` and yields one `TokenDelta` per engine
+   output: the new token ids, their text, and on the last one the finish reason (and, on a prefill
+   node, the KV handle vLLM's connector returned in `kv_transfer_params`).
+3. If the caller cancels the stream (client gone, deadline), Ray cancels the task, vLLM's
+   `generate` sees `CancelledError` and aborts the request, which frees its KV blocks.
+
+The actor is created by `create_engine_actor` with the pool's Ray resources and an environment
+that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from pdserve.config import EngineConfig, PoolConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output of one request since the previous delta."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class EngineStats:
+    """A node's live load, as the router's policies and the metrics see it."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_started_total: int = 0
+    requests_finished_total: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
+    """Environment for one engine actor (passed through Ray's runtime_env)."""
+    threads = engine.omp_threads or max(1, int(pool.num_cpus))
+    bind = pool.cpu_bind[replica % len(pool.cpu_bind)] if pool.cpu_bind else "nobind"
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for name in ("VLLM_RPC_BASE_PATH", "PDSERVE_CACHE_DIR"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return env
+
+
+def engine_kwargs(model: str, engine: EngineConfig, served_name: str) -> dict[str, Any]:
+    """vLLM `AsyncEngineArgs` keyword arguments for one engine."""
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        served_model_name=served_name,
+        dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
+        enforce_eager=engine.enforce_eager,
+        max_num_seqs=engine.max_num_seqs,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        seed=engine.seed,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+    )
+    if engine.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    return kwargs
+
+
+class EngineActor:
+    """Ray actor body (wrapped by `ray.remote` in `create_engine_actor`)."""
+
+    def __init__(self, name: str, engine_args: dict[str, Any]) -> None:
+        self._name = name
+        self._engine_args = engine_args
+        self._engine = None
+        self._stats = EngineStats()
+
+    async def start(self) -> dict[str, Any]:
+        """Build the vLLM engine; returns what the router needs to know about it."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        args = AsyncEngineArgs(**self._engine_args)
+        self._engine = AsyncLLM.from_engine_args(args)
+        vllm_config = self._engine.vllm_config
+        info = {
+            "name": self._name,
+            "pid": os.getpid(),
+            "max_model_len": vllm_config.model_config.max_model_len,
+            "block_size": vllm_config.cache_config.block_size,
+            "start_s": round(time.monotonic() - started, 2),
+        }
+        logger.info("engine %s ready in %.1f s", self._name, info["start_s"])
+        return info
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any):
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling_params.output_kind = RequestOutputKind.DELTA
+        prompt = {"prompt_token_ids": prompt_token_ids}
+        self._stats.requests_started_total += 1
+        self._stats.running += 1
+        try:
+            async for output in self._engine.generate(prompt, sampling_params, request_id):
+                completion = output.outputs[0]
+                self._stats.generation_tokens_total += len(completion.token_ids)
+                yield TokenDelta(
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    kv_transfer_params=output.kv_transfer_params if output.finished else None,
+                )
+        finally:
+            self._stats.running -= 1
+            self._stats.requests_finished_total += 1
+            self._stats.prompt_tokens_total += len(prompt_token_ids)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_health(self) -> bool:
+        if self._engine is None:
+            return False
+        await self._engine.check_health()
+        return not self._engine.errored
+
+    async def stats(self) -> dict[str, Any]:
+        return asdict(self._stats)
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def create_engine_actor(
+    name: str,
+    model: str,
+    served_name: str,
+    engine: EngineConfig,
+    pool: PoolConfig,
+    replica: int,
+    max_restarts: int = 0,
+):
+    """Place one engine actor with the pool's Ray resources; call `.start.remote()` next."""
+    actor_cls = ray.remote(EngineActor)
+    return actor_cls.options(
+        name=name,
+        num_cpus=pool.num_cpus,
+        num_gpus=pool.num_gpus,
+        resources=dict(pool.resources),
+        max_restarts=max_restarts,
+        max_concurrency=1000,
+        runtime_env={"env_vars": engine_env(engine, pool, replica)},
+    ).remote(name, engine_kwargs(model, engine, served_name))

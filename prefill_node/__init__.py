@@ -1,0 +1,1 @@
+"""Prefill pool nodes: Ray actors running vLLM as KV producers (see the disaggregation issue)."""

@@ -1,0 +1,1 @@
+"""The router: the one process clients talk to (OpenAI HTTP and gRPC); it owns the pools."""

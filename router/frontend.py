@@ -1,0 +1,173 @@
+"""Turn OpenAI requests into `PreparedRequest`s: validated, templated and tokenized once.
+
+This is the boundary: vLLM's OpenAI pydantic request classes come in, a plain domain dataclass
+(token ids + vLLM `SamplingParams` + limits) goes out to the pools. Every rejection here is an
+`InvalidRequest` / `ModelNotFound` with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from router.errors import InvalidRequest, ModelNotFound
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    kind: str  # "completion" | "chat"
+    prompt_token_ids: list[int]
+    sampling_params: Any  # vllm.SamplingParams
+    stream: bool
+    include_usage: bool
+    arrival: float = field(default_factory=time.monotonic)
+
+
+def _validation_message(error: ValidationError) -> tuple[str, str | None]:
+    errors = error.errors()
+    first = errors[0]
+    if not first["loc"]:
+        return str(first["msg"]), None
+    field_name = str(first["loc"][0])
+    alternatives = [item for item in errors if item["loc"] and item["loc"][0] == first["loc"][0]]
+    if len(alternatives) > 1:  # a union field: no single alternative's message is the reason
+        return f"{field_name}: {type(first['input']).__name__} is not an accepted type", field_name
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}", field_name
+
+
+def _client_errors() -> tuple[type[Exception], ...]:
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, VLLMClientError)
+
+
+def _message_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        part = dict(part)
+        if part.get("type") != "text":
+            raise InvalidRequest(f"content part type {part.get('type')!r} is not supported")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+class Frontend:
+    """Validation and tokenization for one served model."""
+
+    def __init__(self, model_path: str, served_name: str, max_model_len: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.served_name = served_name
+        self.max_model_len = max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def parse(self, kind: str, body: Any) -> Any:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        if not isinstance(body, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        request_cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        try:
+            return request_cls.model_validate(body)
+        except ValidationError as error:
+            message, param = _validation_message(error)
+            raise InvalidRequest(message, param) from None
+        except _client_errors() as error:  # vLLM's own request checks
+            raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_name:
+            raise ModelNotFound(
+                f"model {model!r} does not exist; this server serves {self.served_name!r}", "model"
+            )
+
+    def prepare(self, kind: str, body: Any) -> PreparedRequest:
+        request = self.parse(kind, body)
+        self.check_model(request.model)
+        if getattr(request, "n", 1) not in (None, 1):
+            raise InvalidRequest("only n=1 is supported", "n")
+        if getattr(request, "use_beam_search", False):
+            raise InvalidRequest("beam search is not supported", "use_beam_search")
+        if kind == "completion":
+            token_ids = self._completion_tokens(request)
+            max_tokens = request.max_tokens
+        else:
+            token_ids = self._chat_tokens(request)
+            max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = self._check_lengths(len(token_ids), max_tokens)
+        try:
+            params = request.to_sampling_params(max_tokens, {})
+        except _client_errors() as error:  # SamplingParams' own checks (temperature < 0, ...)
+            raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        options = request.stream_options
+        return PreparedRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            kind=kind,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            stream=bool(request.stream),
+            include_usage=bool(options and options.include_usage),
+        )
+
+    def _completion_tokens(self, request: Any) -> list[int]:
+        prompt = request.prompt
+        if prompt is None:
+            raise InvalidRequest("prompt is required", "prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=request.add_special_tokens).input_ids
+        vocab = len(self.tokenizer)
+        if any(token >= vocab for token in prompt):
+            raise InvalidRequest(f"prompt token ids must be below the vocabulary size {vocab}")
+        return list(prompt)
+
+    def _chat_tokens(self, request: Any) -> list[int]:
+        if not request.messages:
+            raise InvalidRequest("messages must not be empty", "messages")
+        messages = []
+        for message in request.messages:
+            message = dict(message)
+            if "role" not in message:
+                raise InvalidRequest("each message needs a role", "messages")
+            messages.append(
+                {"role": message["role"], "content": _message_text(message.get("content"))}
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+        )
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _check_lengths(self, prompt_len: int, max_tokens: int | None) -> int:
+        if prompt_len == 0:
+            raise InvalidRequest("prompt is empty", "prompt")
+        if max_tokens is not None and max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise InvalidRequest(
+                f"prompt has {prompt_len} tokens; this model's max_model_len is "
+                f"{self.max_model_len}, which leaves no room for output",
+                "prompt",
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+                "max_tokens",
+            )
+        return max_tokens

@@ -1,0 +1,252 @@
+"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+Life of a request: the body is parsed and checked by `Frontend.prepare` (400/404 on bad input),
+admitted against `max_outstanding_requests` (429 when full), then streamed from a node of the pool
+with the request's deadline. Streams are server-sent events ending in `data: [DONE]`; a client
+that disconnects cancels the engine-side request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.config import RouterConfig
+from pdserve.engine import TokenDelta
+from router.errors import (
+    InvalidRequest,
+    Overloaded,
+    PoolUnavailable,
+    RequestError,
+    Unauthorized,
+    error_body,
+)
+from router.frontend import Frontend, PreparedRequest
+from router.pools import Pool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterState:
+    frontend: Frontend
+    pool: Pool
+    config: RouterConfig
+    outstanding: int = 0
+
+
+def _error_response(error: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if isinstance(error, Overloaded) else None
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+
+
+def _check_auth(state: RouterState, request: Request) -> None:
+    key = state.config.api_key
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
+
+
+class _Collected:
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.prompt_tokens = 0
+
+    def add(self, delta: TokenDelta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
+
+    def usage(self) -> Any:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        completion = len(self.token_ids)
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
+
+
+def _full_response(state: RouterState, prepared: PreparedRequest, got: _Collected) -> dict:
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponse,
+        ChatCompletionResponseChoice,
+        ChatMessage,
+    )
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionResponse,
+        CompletionResponseChoice,
+    )
+
+    common = dict(id=prepared.request_id, model=state.frontend.served_name, usage=got.usage())
+    text = "".join(got.text)
+    if prepared.kind == "completion":
+        choice = CompletionResponseChoice(
+            index=0, text=text, finish_reason=got.finish_reason, stop_reason=got.stop_reason
+        )
+        return CompletionResponse(choices=[choice], **common).model_dump(exclude_none=True)
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role="assistant", content=text),
+        finish_reason=got.finish_reason,
+        stop_reason=got.stop_reason,
+    )
+    return ChatCompletionResponse(choices=[choice], **common).model_dump(exclude_none=True)
+
+
+def _chunk(state: RouterState, prepared: PreparedRequest, delta: TokenDelta | None, first: bool):
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+    )
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionResponseStreamChoice,
+        CompletionStreamResponse,
+    )
+
+    text = delta.text if delta else ""
+    finish = delta.finish_reason if delta else None
+    common = dict(id=prepared.request_id, model=state.frontend.served_name)
+    if prepared.kind == "completion":
+        choice = CompletionResponseStreamChoice(index=0, text=text, finish_reason=finish)
+        return CompletionStreamResponse(choices=[choice], **common)
+    message = DeltaMessage(role="assistant", content=text) if first else DeltaMessage(content=text)
+    choice = ChatCompletionResponseStreamChoice(index=0, delta=message, finish_reason=finish)
+    return ChatCompletionStreamResponse(choices=[choice], **common)
+
+
+def _usage_chunk(state: RouterState, prepared: PreparedRequest, got: _Collected):
+    chunk = _chunk(state, prepared, None, False)
+    chunk.choices = []
+    chunk.usage = got.usage()
+    return chunk
+
+
+class Handler:
+    """Admission, deadline and the pool call shared by both generate endpoints."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def admit(self) -> None:
+        if not self.state.pool.healthy_nodes():
+            raise PoolUnavailable(f"no healthy node in the {self.state.pool.name} pool")
+        if self.state.outstanding >= self.state.config.max_outstanding_requests:
+            raise Overloaded(
+                f"{self.state.outstanding} requests in flight (limit "
+                f"{self.state.config.max_outstanding_requests}); retry later"
+            )
+        self.state.outstanding += 1
+
+    async def deltas(self, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
+        deadline = prepared.arrival + self.state.config.request_timeout_s
+        node = self.state.pool.pick()
+        logger.debug("request %s -> %s", prepared.request_id, node.name)
+        async for delta in self.state.pool.stream(
+            node, prepared.request_id, prepared.prompt_token_ids, prepared.sampling_params, deadline
+        ):
+            yield delta
+
+    async def complete(self, prepared: PreparedRequest) -> JSONResponse:
+        try:
+            got = _Collected()
+            async for delta in self.deltas(prepared):
+                got.add(delta)
+            return JSONResponse(_full_response(self.state, prepared, got))
+        finally:
+            self.state.outstanding -= 1
+
+    async def sse(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+        got = _Collected()
+        first = True
+        try:
+            async for delta in self.deltas(prepared):
+                got.add(delta)
+                chunk = _chunk(self.state, prepared, delta, first)
+                first = False
+                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+            if prepared.include_usage:
+                chunk = _usage_chunk(self.state, prepared, got)
+                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        except RequestError as error:
+            logger.warning("stream %s ended with %s: %s", prepared.request_id, error.kind, error)
+            yield f"data: {json.dumps(error_body(error))}\n\n"
+        finally:
+            self.state.outstanding -= 1
+        yield "data: [DONE]\n\n"
+
+
+def create_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+    handler = Handler(state)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, error: RequestError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = len(state.pool.healthy_nodes())
+        status = 200 if healthy else 503
+        body = {"status": "ok" if healthy else "unavailable", "healthy_nodes": healthy}
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+        _check_auth(state, request)
+        card = ModelCard(
+            id=state.frontend.served_name,
+            owned_by="pdserve",
+            max_model_len=state.frontend.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def generate(kind: str, request: Request):
+        started = time.monotonic()
+        _check_auth(state, request)
+        prepared = state.frontend.prepare(kind, await _json_body(request))
+        handler.admit()
+        logger.info(
+            "%s: %d prompt tokens, max_tokens=%s, stream=%s (prepared in %.1f ms)",
+            prepared.request_id,
+            len(prepared.prompt_token_ids),
+            prepared.sampling_params.max_tokens,
+            prepared.stream,
+            (time.monotonic() - started) * 1e3,
+        )
+        if prepared.stream:
+            return StreamingResponse(handler.sse(prepared), media_type="text/event-stream")
+        return await handler.complete(prepared)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate("chat", request)
+
+    return app

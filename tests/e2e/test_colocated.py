@@ -1,0 +1,178 @@
+"""Colocated serving end to end: the openai client against a real `pdserve serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.conftest import stop_and_check_nothing_left
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+COMPLETIONS = [
+    ("The capital of France is", 24),
+    ("def fibonacci(n):", 40),
+    ("Once upon a time, in a small village by the sea,", 32),
+]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+
+
+def test_completion_returns_real_text(client, server):
+    result = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert "Paris" in result.choices[0].text
+    assert result.usage.prompt_tokens == 5 and result.usage.completion_tokens == 8
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_completion_streams(client, server):
+    stream = client.completions.create(
+        model=server.model,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    pieces = [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert len(pieces) >= 2
+    assert "Paris" in "".join(pieces)
+
+
+def test_chat_returns_real_text(client, server):
+    result = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=16, temperature=0
+    )
+    message = result.choices[0].message
+    assert message.role == "assistant" and "Paris" in message.content
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_chat_streams_with_usage(client, server):
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage.completion_tokens >= 2
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in events)
+
+
+def test_greedy_output_equals_offline_vllm(client, server, default_model_dir, tmp_path):
+    """Each prompt alone on both sides (bf16 greedy depends on batch composition on this CPU)."""
+    served = [
+        client.completions.create(model=server.model, prompt=p, max_tokens=n, temperature=0)
+        .choices[0]
+        .text
+        for p, n in COMPLETIONS
+    ]
+    chat = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=24, temperature=0
+    )
+    job = tmp_path / "job.json"
+    job.write_text(
+        json.dumps(
+            {
+                "model": str(default_model_dir),
+                "max_model_len": 2048,
+                "completions": COMPLETIONS,
+                "chats": [[CHAT, 24]],
+            }
+        )
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="2",  # same threads and binding as the served engine
+        VLLM_CPU_OMP_THREADS_BIND="0-1",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_RPC_BASE_PATH=str(tmp_path),
+    )
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tests/helpers/offline_reference.py"), str(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    reference = json.loads(line.removeprefix("RESULT "))
+    assert served == reference["completions"]
+    assert chat.choices[0].message.content == reference["chats"][0]
+
+
+def _post(server, path, body, raw=None):
+    kwargs = (
+        {"content": raw, "headers": {"content-type": "application/json"}} if raw else {"json": body}
+    )
+    return httpx.post(f"{server.url}{path}", timeout=30, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "raw", "status", "says"),
+    [
+        ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
+        ("/v1/completions", [1, 2], None, 400, "JSON object"),
+        ("/v1/completions", {"max_tokens": 3}, None, 400, "prompt"),
+        ("/v1/completions", {"prompt": 5}, None, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens must be"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi " * 2100}, None, 400, "max_model_len"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, None, 400, "max_model_len"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "gpt-9"),
+        ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
+        ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+        ("/v1/chat/completions", {"model": "x", "messages": CHAT}, None, 404, "does not exist"),
+    ],
+)
+def test_bad_requests_get_clear_4xx(server, path, body, raw, status, says):
+    response = _post(server, path, body, raw)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert says in error["message"]
+    assert error["code"] == status
+
+
+def test_health_and_models(server):
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert models["data"][0]["max_model_len"] == 2048
+
+
+def test_sigterm_stops_everything_it_started(server):
+    """Last in this module: stop the shared server and find no Ray or vLLM process left."""
+    leftovers = stop_and_check_nothing_left(server.process)
+    assert server.process.returncode == 0, server.log.read_text()[-3000:]
+    assert leftovers == []
+    log = server.log.read_text()
+    assert "pdserve ready" in log and "pdserve stopped" in log

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import ConfigError, PDServeConfig, load_config, parse_config
+from tests.conftest import REPO
+
+
+def test_defaults_are_the_local_cpu_example():
+    assert load_config(REPO / "deploy/config/local-cpu.yaml") == PDServeConfig()
+    assert load_config(None) == PDServeConfig()
+
+
+def test_every_example_config_under_deploy_is_valid():
+    examples = sorted((REPO / "deploy").rglob("config/*.yaml"))
+    assert examples
+    for path in examples:
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "reason"),
+    [
+        ({"engine": {"max_model_len": 0}}, "engine.max_model_len", "greater than 0"),
+        ({"engine": {"dtype": "int3"}}, "engine.dtype", "'bfloat16'"),
+        ({"engine": {"max_len": 10}}, "engine.max_len", "Extra inputs are not permitted"),
+        ({"router": {"http_port": 70000}}, "router.http_port", "less than or equal to 65535"),
+        ({"kv_transfer": {"transport": "udp"}}, "kv_transfer.transport", "'tcp' or 'nccl'"),
+        (
+            {"kv_transfer": {"failure_policy": "ignore"}},
+            "kv_transfer.failure_policy",
+            "'recompute'",
+        ),
+        ({"model": "/no/such/folder"}, "model", "not a local model folder"),
+        ({"pools": {"colocated": {"replicas": 0}}}, "(top level)", "colocated.replicas >= 1"),
+        ({"mode": "disaggregated", "pools": {"decode": {"replicas": 0}}}, "(top level)", "decode"),
+    ],
+)
+def test_bad_values_name_the_field_and_reason(data, field, reason):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, "test.yaml")
+    message = str(caught.value)
+    assert "test.yaml" in message
+    assert f"{field}:" in message
+    assert reason in message
+
+
+def test_a_local_model_folder_is_accepted(tmp_path):
+    config = parse_config({"model": str(tmp_path)})
+    assert config.model == str(tmp_path)
+
+
+def test_file_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(scalar)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == PDServeConfig()
+
+
+def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path, capsys):
+    from pdserve.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("router:\n  http_port: -1\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "router.http_port" in err and "greater than or equal to 0" in err
