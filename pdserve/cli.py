@@ -54,6 +54,90 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run(config, ready_file=args.ready_file)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.roofline.plan import Workload, build_plan, format_plan, plot_plan
+    from pdserve.roofline.specs import SpecError, load_device, load_model
+
+    try:
+        model = load_model(args.model, args.dtype)
+        device = load_device(
+            args.gpu,
+            args.devices_file,
+            args.peak_tflops,
+            args.bandwidth_gbs,
+            args.memory_gb,
+            args.interconnect_gbs,
+        )
+        workload = Workload(
+            batch=args.batch,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            context=args.context,
+            rate=args.rate,
+            ttft_slo_s=args.ttft_slo,
+            tpot_slo_s=args.tpot_slo,
+        )
+    except (SpecError, ValueError) as error:
+        print(f"pdserve plan: {error}", file=sys.stderr)
+        return 2
+    plan = build_plan(model, device, workload)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    if args.plot:
+        plot_plan(plan, args.plot)
+        print(f"roofline chart written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _add_plan_parser(commands) -> None:
+    from pdserve.roofline.specs import DEVICES, PRESETS, USER_DEVICE
+
+    plan = commands.add_parser(
+        "plan",
+        help="roofline planner: intensity, ridge point, KV memory, chunk size, TTFT/TPOT, P:D",
+        description="Apply the roofline model to a model and a device: per-layer FLOPs, bytes and "
+        "arithmetic intensity for prefill (batch x prompt tokens) and decode (batch tokens), "
+        "the ridge point, KV cache sizing, the recommended chunk size, roofline TTFT/TPOT, KV "
+        "transfer time and a P:D ratio for a request rate.",
+    )
+    plan.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help=f"preset ({', '.join(PRESETS)}), a model folder or a config.json (default llama-3-8b)",
+    )
+    plan.add_argument(
+        "--gpu",
+        default="h100-sxm",
+        help=f"device ({', '.join([*DEVICES, USER_DEVICE])}; default h100-sxm). '{USER_DEVICE}' "
+        "needs all four figures below",
+    )
+    plan.add_argument(
+        "--devices-file",
+        help="YAML file adding devices: name: {peak_tflops, "
+        "bandwidth_gbs, memory_gb, interconnect_gbs}",
+    )
+    plan.add_argument("--peak-tflops", type=float, help="dense fp16/bf16 TFLOP/s (overrides)")
+    plan.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s (overrides)")
+    plan.add_argument("--memory-gb", type=float, help="device memory in GB (overrides)")
+    plan.add_argument("--interconnect-gbs", type=float, help="P->D link in GB/s (overrides)")
+    plan.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32", "fp8"],
+        help="weights and KV dtype (default: the config's, else bfloat16)",
+    )
+    plan.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    plan.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    plan.add_argument("--output-len", type=int, default=256, help="output tokens (default 256)")
+    plan.add_argument("--context", type=int, help="KV tokens per sequence (default prompt+output)")
+    plan.add_argument("--rate", type=float, default=1.0, help="requests/s to size pools for")
+    plan.add_argument("--ttft-slo", type=float, help="time-to-first-token SLO in seconds")
+    plan.add_argument("--tpot-slo", type=float, help="time-per-output-token SLO in seconds")
+    plan.add_argument("--json", action="store_true", help="machine-readable output (README keys)")
+    plan.add_argument("--plot", metavar="FILE.png", help="write a roofline chart")
+    plan.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -96,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", help="model cache folder (as for `model prepare`)")
     serve.add_argument("--ready-file", help="write the bound URLs as JSON here once serving")
     serve.set_defaults(func=_cmd_serve)
+    _add_plan_parser(commands)
     return parser
 
 

@@ -34,7 +34,10 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """GPU only: share of device memory vLLM may use."""
     max_num_batched_tokens: int | None = Field(None, gt=0)
-    """Chunk size for chunked prefill. None: vLLM's default for the device."""
+    """Chunk size for chunked prefill. None: the roofline planner's for `device` (or the detected
+    GPU); vLLM's own default where there is no known device (CPU)."""
+    device: str | None = None
+    """Planner catalog name of the engines' device (e.g. "h100-sxm"); None: detect the GPU."""
     max_num_seqs: int = Field(64, gt=0)
     """Most sequences scheduled together in one engine step."""
     enable_prefix_caching: bool = True
@@ -43,6 +46,15 @@ class EngineConfig(_Strict):
     """CPU only: OMP_NUM_THREADS per engine. None: the node's CPU share."""
     seed: int = 0
     """Sampling seed for engines (greedy output does not depend on it)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_in_catalog(cls, value: str | None) -> str | None:
+        from pdserve.roofline.specs import DEVICES
+
+        if value is not None and value not in DEVICES:
+            raise ValueError(f"unknown device {value!r}; the planner knows {', '.join(DEVICES)}")
+        return value
 
 
 class PoolConfig(_Strict):

@@ -21,6 +21,7 @@ import ray
 from pdserve.config import DEFAULT_MODEL, PDServeConfig, PoolConfig
 from pdserve.engine import create_engine_actor
 from pdserve.model_prep import prepare_default_model
+from pdserve.roofline.serving import default_chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,19 @@ def resolve_model(config: PDServeConfig) -> Path:
     if config.model == DEFAULT_MODEL:
         return prepare_default_model()
     return Path(config.model).expanduser().resolve()
+
+
+def with_planned_chunk(config: PDServeConfig, model_dir: Path) -> PDServeConfig:
+    """Fill `engine.max_num_batched_tokens` from the roofline planner when the user set none."""
+    engine = config.engine
+    if engine.max_num_batched_tokens is not None:
+        return config
+    chunk = default_chunk_size(model_dir, engine.device, engine.max_num_seqs)
+    if chunk is None:
+        return config
+    return config.model_copy(
+        update={"engine": engine.model_copy(update={"max_num_batched_tokens": chunk})}
+    )
 
 
 def _init_ray(config: PDServeConfig) -> bool:
@@ -114,6 +128,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     model_dir = resolve_model(config)
+    config = with_planned_chunk(config, model_dir)
     served = config.router.served_model_name or model_dir.name
     owns_ray = _init_ray(config)
     actors: list = []
