@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig, PoolConfig
+from pdserve.kv.stats import KVStatsTotals
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,43 @@ class EngineStats:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     prompt_tokens_total: int = 0
+    prompt_tokens_computed_total: int = 0
+    prompt_tokens_transferred_total: int = 0
+    prompt_tokens_cached_total: int = 0
     generation_tokens_total: int = 0
     requests_started_total: int = 0
     requests_finished_total: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    engine_steps_total: int = 0
+    kv: KVStatsTotals = field(default_factory=KVStatsTotals)
+
+
+def _stats_logger_factory(stats: EngineStats):
+    """A vLLM stat logger that folds every engine step's stats into `stats` (same process)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Collector(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                stats.running = scheduler_stats.num_running_reqs
+                stats.waiting = scheduler_stats.num_waiting_reqs
+                stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+                stats.engine_steps_total += 1
+                stats.kv.observe(scheduler_stats.kv_connector_stats)
+            if iteration_stats is not None:
+                prompt = iteration_stats.prompt_token_stats
+                stats.prompt_tokens_total += prompt.total
+                stats.prompt_tokens_computed_total += prompt.computed
+                stats.prompt_tokens_transferred_total += prompt.external_kv_transfer
+                stats.prompt_tokens_cached_total += prompt.local_cache_hit
+                stats.generation_tokens_total += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Collector
 
 
 def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
@@ -72,8 +106,14 @@ def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str
     return env
 
 
-def engine_kwargs(model: str, engine: EngineConfig, served_name: str) -> dict[str, Any]:
-    """vLLM `AsyncEngineArgs` keyword arguments for one engine."""
+def engine_kwargs(
+    model: str,
+    engine: EngineConfig,
+    served_name: str,
+    kv_transfer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """vLLM `AsyncEngineArgs` keyword arguments for one engine (`kv_transfer`: the fields of a
+    vLLM `KVTransferConfig`, for engines in a disaggregated pool)."""
     kwargs: dict[str, Any] = dict(
         model=model,
         served_model_name=served_name,
@@ -87,6 +127,8 @@ def engine_kwargs(model: str, engine: EngineConfig, served_name: str) -> dict[st
     )
     if engine.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    if kv_transfer:
+        kwargs["kv_transfer_config"] = kv_transfer
     return kwargs
 
 
@@ -105,8 +147,15 @@ class EngineActor:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = time.monotonic()
-        args = AsyncEngineArgs(**self._engine_args)
-        self._engine = AsyncLLM.from_engine_args(args)
+        kwargs = dict(self._engine_args)
+        if kwargs.get("kv_transfer_config"):
+            from vllm.config import KVTransferConfig
+
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        args = AsyncEngineArgs(**kwargs)
+        self._engine = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stats_logger_factory(self._stats)]
+        )
         vllm_config = self._engine.vllm_config
         info = {
             "name": self._name,
@@ -124,11 +173,9 @@ class EngineActor:
         sampling_params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": prompt_token_ids}
         self._stats.requests_started_total += 1
-        self._stats.running += 1
         try:
             async for output in self._engine.generate(prompt, sampling_params, request_id):
                 completion = output.outputs[0]
-                self._stats.generation_tokens_total += len(completion.token_ids)
                 yield TokenDelta(
                     token_ids=list(completion.token_ids),
                     text=completion.text,
@@ -138,9 +185,7 @@ class EngineActor:
                     kv_transfer_params=output.kv_transfer_params if output.finished else None,
                 )
         finally:
-            self._stats.running -= 1
             self._stats.requests_finished_total += 1
-            self._stats.prompt_tokens_total += len(prompt_token_ids)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
@@ -152,7 +197,9 @@ class EngineActor:
         return not self._engine.errored
 
     async def stats(self) -> dict[str, Any]:
-        return asdict(self._stats)
+        stats = asdict(self._stats)
+        stats["kv"] = self._stats.kv.as_dict()
+        return stats
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -168,6 +215,7 @@ def create_engine_actor(
     pool: PoolConfig,
     replica: int,
     max_restarts: int = 0,
+    kv_transfer: dict[str, Any] | None = None,
 ):
     """Place one engine actor with the pool's Ray resources; call `.start.remote()` next."""
     actor_cls = ray.remote(EngineActor)
@@ -179,4 +227,4 @@ def create_engine_actor(
         max_restarts=max_restarts,
         max_concurrency=1000,
         runtime_env={"env_vars": engine_env(engine, pool, replica)},
-    ).remote(name, engine_kwargs(model, engine, served_name))
+    ).remote(name, engine_kwargs(model, engine, served_name, kv_transfer))

@@ -1,0 +1,102 @@
+"""Blocks a producer holds for consumers, under leases.
+
+Life of an offer (producer worker process):
+1. The scheduler side finishes a prefill and keeps its blocks; the next step's metadata tells the
+   worker, which calls `offer(request_id, block_ids, deadline)`.
+2. A consumer's pull `claim`s the offer (waiting briefly if the pull outran the metadata), reads
+   the blocks, and `release`s it: on success the offer is done and its blocks may be freed.
+3. An offer nobody completes before its deadline expires in `collect_done`; an offer that is
+   being read never expires under the reader (no block is freed while it is read).
+`collect_done` hands the finished request ids to vLLM (`finished_sending`), which frees the blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+
+class ClaimError(Exception):
+    """Why a pull cannot be served: `reason` is unknown_request, lease_expired or bad_blocks."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class _Offer:
+    block_ids: tuple[int, ...]
+    deadline: float
+    readers: int = 0
+    done: bool = False
+
+
+class ProducerTable:
+    def __init__(self, clock=time.time) -> None:
+        self._clock = clock
+        self._offers: dict[str, _Offer] = {}
+        self._finished: set[str] = set()
+        self._expired_recently: set[str] = set()
+        self._cond = threading.Condition()
+        self.leases_expired = 0
+
+    def offer(self, request_id: str, block_ids: list[int], deadline: float) -> None:
+        with self._cond:
+            self._offers[request_id] = _Offer(tuple(block_ids), deadline)
+            self._cond.notify_all()
+
+    def claim(self, request_id: str, block_ids: list[int], wait_s: float) -> None:
+        """Mark the offer as being read, after checking it holds `block_ids`."""
+        give_up = time.monotonic() + wait_s
+        with self._cond:
+            while request_id not in self._offers:
+                if request_id in self._expired_recently:
+                    raise ClaimError("lease_expired", f"lease of {request_id} expired")
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise ClaimError("unknown_request", f"no KV held for request {request_id}")
+                self._cond.wait(left)
+            offer = self._offers[request_id]
+            if offer.done or self._clock() > offer.deadline:
+                raise ClaimError("lease_expired", f"lease of {request_id} expired")
+            missing = set(block_ids) - set(offer.block_ids)
+            if missing:
+                raise ClaimError("bad_blocks", f"{request_id} holds no blocks {sorted(missing)}")
+            offer.readers += 1
+
+    def release(self, request_id: str, completed: bool) -> None:
+        """A read ended; a completed read lets the blocks go."""
+        with self._cond:
+            offer = self._offers.get(request_id)
+            if offer is None:
+                return
+            offer.readers -= 1
+            if completed:
+                offer.done = True
+
+    def collect_done(self) -> set[str]:
+        """Request ids whose blocks may be freed now: completed, or expired with no reader."""
+        now = self._clock()
+        with self._cond:
+            done = {
+                rid
+                for rid, offer in self._offers.items()
+                if offer.readers == 0 and (offer.done or now > offer.deadline)
+            }
+            for rid in done:
+                if not self._offers.pop(rid).done:
+                    self.leases_expired += 1
+                    self._expired_recently.add(rid)
+            if len(self._expired_recently) > 10_000:
+                self._expired_recently.clear()
+            return done
+
+    def blocks_held(self) -> int:
+        with self._cond:
+            return sum(len(offer.block_ids) for offer in self._offers.values())
+
+    def requests_held(self) -> int:
+        with self._cond:
+            return len(self._offers)

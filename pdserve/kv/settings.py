@@ -1,0 +1,106 @@
+"""The connector's settings, read once from `kv_connector_extra_config`, and the messages its two
+halves exchange (scheduler → worker metadata, worker → scheduler handshake)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+SECRET_ENV = "PDSERVE_KV_SECRET"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    host: str = "127.0.0.1"
+    """Address the producer's KV server binds to."""
+    advertise_host: str | None = None
+    """Address consumers are told to pull from (default: `host`)."""
+    port: int = 0
+    """Base port of the KV servers (rank r listens on port + r); 0 picks free ports."""
+    transport: str = "tcp"
+    lease_s: float = 30.0
+    """How long the producer keeps a finished prefill's blocks for a consumer."""
+    timeout_s: float = 10.0
+    """Deadline of one pull."""
+    secret: str | None = field(default=None, repr=False)
+    secret_file: str | None = None
+    """Read the secret from this file at each connection (lets operators rotate it)."""
+    send_rate_limit_bytes_per_s: float | None = None
+    """Cap a producer's sending rate per transfer (None: as fast as the link goes)."""
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
+            )
+        settings = cls(**extra)
+        if settings.transport not in ("tcp", "nccl"):
+            raise ValueError(f"transport must be 'tcp' or 'nccl', not {settings.transport!r}")
+        if settings.lease_s <= 0 or settings.timeout_s <= 0:
+            raise ValueError("lease_s and timeout_s must be positive")
+        if not (0 <= int(settings.port) <= 65535):
+            raise ValueError(f"port {settings.port} is out of range")
+        settings.read_secret()  # fail at start, not at the first pull
+        return settings
+
+    def read_secret(self) -> bytes:
+        if self.secret_file:
+            try:
+                value = Path(self.secret_file).read_text().strip()
+            except OSError as error:
+                raise ValueError(f"cannot read secret_file {self.secret_file}: {error}") from None
+        else:
+            value = self.secret or os.environ.get(SECRET_ENV, "")
+        if not value:
+            raise ValueError(
+                f"the KV connector needs a cluster secret: set 'secret' or 'secret_file' in "
+                f"kv_connector_extra_config, or ${SECRET_ENV}"
+            )
+        return value.encode()
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+@dataclass
+class RecvSpec:
+    params: dict[str, Any]
+    """The handle as it arrived (kv_transfer_params)."""
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    release_only: bool = False
+    """Nothing to load (all cached here): only tell the producer to free its blocks now."""
+
+
+@dataclass
+class SendSpec:
+    block_ids: list[int]
+    lease_deadline: float
+
+
+@dataclass
+class PDServeMetadata(KVConnectorMetadata):
+    """One step's work for the workers: blocks to offer (producer) and pulls to start (consumer)."""
+
+    send: dict[str, SendSpec] = field(default_factory=dict)
+    recv: dict[str, RecvSpec] = field(default_factory=dict)
+
+
+@dataclass
+class PDServeHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler after registering its caches: where it listens."""
+
+    port: int
+    tp_rank: int

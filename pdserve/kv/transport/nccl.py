@@ -1,0 +1,140 @@
+"""NCCL transport: control over TCP, block bytes over a two-rank NCCL communicator per pair.
+
+Pairing is lazy: on its first pull from a producer, a consumer worker creates an ncclUniqueId and
+sends it in the Handshake; both join `ncclCommInitRank(2, id, rank)` (producer rank 0, consumer
+rank 1) and keep the communicator, named by a pair key (SHA-256 of the id), for later pulls. One
+pull at a time uses a communicator (a lock on each side), so sends and receives pair up in order.
+Only imported when `transport: nccl` is chosen; needs CUDA caches and libnccl (through vLLM's
+NCCL wrapper).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.kv.transport.base import KVTransport, TransferError
+from pdserve.kv.wire import ProtocolError
+from pdserve_proto.v1 import kv_transfer_pb2 as pb
+
+PRODUCER_RANK, CONSUMER_RANK = 0, 1
+UNIQUE_ID_BYTES = 128
+
+
+def pair_key(unique_id: bytes) -> bytes:
+    return hashlib.sha256(unique_id).digest()[:16]
+
+
+@dataclass
+class Link:
+    """One two-rank communicator and the lock that keeps its operations in order."""
+
+    comm: Any
+    peer_rank: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Pairing:
+    """The pairing state of one worker; `library` is vLLM's NCCLLibrary (or a test double with
+    ncclGetUniqueId / unique_id_from_bytes / ncclCommInitRank)."""
+
+    def __init__(self, library: Any) -> None:
+        self.library = library
+        self._lock = threading.Lock()
+        self._by_peer: dict[tuple[str, int], tuple[bytes, Link | None]] = {}
+        self._by_key: dict[bytes, Link] = {}
+
+    def consumer_fields(self, peer: tuple[str, int]) -> dict[str, bytes]:
+        with self._lock:
+            known = self._by_peer.get(peer)
+            if known and known[1] is not None:
+                return {"nccl_pair_key": known[0]}
+            unique_id = bytes(self.library.ncclGetUniqueId().internal)
+            self._by_peer[peer] = (pair_key(unique_id), None)
+            return {"nccl_unique_id": unique_id}
+
+    def consumer_link(self, peer: tuple[str, int], fields: dict[str, bytes]) -> Link:
+        if "nccl_pair_key" in fields:
+            return self._by_key[fields["nccl_pair_key"]]
+        unique_id = fields["nccl_unique_id"]
+        link = self._join(unique_id, CONSUMER_RANK, PRODUCER_RANK)
+        with self._lock:
+            self._by_peer[peer] = (pair_key(unique_id), link)
+        return link
+
+    def producer_link(self, handshake: pb.Handshake) -> Link:
+        if handshake.nccl_unique_id:
+            if len(handshake.nccl_unique_id) != UNIQUE_ID_BYTES:
+                raise ProtocolError("nccl_unique_id must be 128 bytes")
+            return self._join(handshake.nccl_unique_id, PRODUCER_RANK, CONSUMER_RANK)
+        with self._lock:
+            link = self._by_key.get(handshake.nccl_pair_key)
+        if link is None:
+            raise ProtocolError("unknown NCCL pair key: the consumer must pair again")
+        return link
+
+    def _join(self, unique_id: bytes, rank: int, peer_rank: int) -> Link:
+        comm = self.library.ncclCommInitRank(2, self.library.unique_id_from_bytes(unique_id), rank)
+        link = Link(comm, peer_rank)
+        with self._lock:
+            self._by_key[pair_key(unique_id)] = link
+        return link
+
+    def forget(self, peer: tuple[str, int]) -> None:
+        with self._lock:
+            self._by_peer.pop(peer, None)
+
+
+class NcclTransport(KVTransport):
+    name = "nccl"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import torch
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+        if self.layers and self.layers[0].device.type != "cuda":
+            raise ValueError("the nccl KV transport needs CUDA KV caches; use transport: tcp")
+        self._torch = torch
+        self._library = NCCLLibrary()
+        self.pairing = Pairing(self._library)
+
+    def _consumer_pairing(self, peer):
+        return self.pairing.consumer_fields(peer)
+
+    def _consumer_link(self, peer, pairing):
+        try:
+            return self.pairing.consumer_link(peer, pairing)
+        except Exception as error:
+            self.pairing.forget(peer)
+            raise TransferError("handshake", f"NCCL pairing with {peer} failed: {error}") from None
+
+    def _producer_link(self, handshake):
+        return self.pairing.producer_link(handshake)
+
+    def _move(self, runs: Iterator[Any], link: Link, send: bool) -> None:
+        torch = self._torch
+        device = self.layers[0].device
+        stream = torch.cuda.current_stream(device)
+        with link.lock, torch.cuda.device(device):
+            self._library.ncclGroupStart()
+            for run in runs:
+                flat = run.reshape(-1).view(torch.uint8)
+                op = self._library.ncclSend if send else self._library.ncclRecv
+                op(flat.data_ptr(), flat.numel(), 0, link.peer_rank, link.comm, stream.cuda_stream)
+            self._library.ncclGroupEnd()
+            stream.synchronize()
+
+    def _send_blocks(
+        self, conn: socket.socket, runs: Iterator[Any], deadline: float, link: Any
+    ) -> None:
+        self._move(runs, link, send=True)
+
+    def _recv_blocks(
+        self, conn: socket.socket, runs: Iterator[Any], deadline: float, link: Any
+    ) -> None:
+        self._move(runs, link, send=False)

@@ -1,0 +1,71 @@
+"""Framing and authentication for the KV control channel (proto/pdserve/v1/kv_transfer.proto).
+
+Each control message is a 4-byte big-endian length and a serialized protobuf message. Lengths
+are capped (`MAX_MESSAGE_BYTES`) so a malformed or hostile peer cannot make us allocate; every
+read has the socket's timeout. Authentication is HMAC-SHA256 challenge-response in both
+directions over fresh nonces: the secret never crosses the wire, and a replayed answer is useless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+from google.protobuf.message import DecodeError, Message
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+NONCE_BYTES = 32
+_LENGTH = struct.Struct(">I")
+_CONTEXT = b"pdserve-kv-v1"
+
+
+class ProtocolError(ConnectionError):
+    """The peer broke the protocol (bad frame, bad message, failed proof); close the link."""
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket or raise ConnectionError if the peer closes first."""
+    while view:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-message")
+        view = view[got:]
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    payload = message.SerializeToString()
+    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def recv_message(sock: socket.socket, message_type: type[Message]) -> Message:
+    header = bytearray(_LENGTH.size)
+    recv_exact_into(sock, memoryview(header))
+    (length,) = _LENGTH.unpack(header)
+    if length > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"control message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+    payload = bytearray(length)
+    recv_exact_into(sock, memoryview(payload))
+    message = message_type()
+    try:
+        message.ParseFromString(bytes(payload))
+    except DecodeError as error:
+        raise ProtocolError(f"malformed {message_type.__name__}: {error}") from None
+    return message
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC over both nonces, bound to the speaker's role so one side's proof never serves
+    as the other's."""
+    return hmac.new(secret, _CONTEXT + role + first + second, hashlib.sha256).digest()
+
+
+def verify(expected: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(expected, got)

@@ -1,0 +1,93 @@
+"""Prefill engine -> KV transfer -> decode engine gives the tokens of one plain engine.
+
+Real vLLM CPU engines (SmolLM2-135M, eager, prefix caching on) in Ray actors, pdserve's
+connector over TCP. Each prompt runs alone on both sides: bf16 greedy output on this CPU
+depends on batch composition, so only like is compared with like.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.kv.harness import (
+    consumer,
+    disaggregated,
+    producer,
+    reference,
+    start_engines,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128
+MAX_TOKENS = 16
+# 1 token to near max_model_len (2048); k*128 and k*128+1 boundaries; slices from the start of
+# the corpus share prefixes with each other (prefix caching on both sides).
+SHARED = [1, 2, 7, 64, 127, 128, 129, 255, 256, 257, 385, 513, 777, 1025, 1600, 2000]
+FRESH = [(700, 5), (900, 129), (1100, 300), (1400, 641), (1800, 384), (300, 1500)]
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session, default_model_dir):
+    engines = start_engines(str(default_model_dir), {"p": producer(), "d": consumer(), "ref": None})
+    yield engines
+    engines.stop()
+
+
+def prompts(corpus):
+    cases = [(f"prefix-{n}", corpus[:n]) for n in SHARED]
+    cases += [(f"fresh-{start}+{n}", corpus[start : start + n]) for start, n in FRESH]
+    return cases
+
+
+async def test_greedy_tokens_match_one_engine_prompt_by_prompt(engines, corpus, kv_bytes_per_token):
+    mismatches, checked = [], 0
+    block_bytes = BLOCK * kv_bytes_per_token
+    for name, prompt in prompts(corpus):
+        before = await engines["d"].stats.remote()
+        result = await disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS)
+        expected = await reference(engines["ref"], prompt, MAX_TOKENS)
+        checked += 1
+        if result.tokens != expected:
+            mismatches.append((name, result.tokens, expected))
+
+        prompt_total = before["prompt_tokens_total"] + len(prompt) + 1
+
+        async def recorded(prompt_total=prompt_total):
+            after = await engines["d"].stats.remote()
+            return after if after["prompt_tokens_total"] >= prompt_total else None
+
+        # the step that reports a pull finished carries its byte count, and comes before the
+        # step that schedules the request (whose prompt tokens we wait for)
+        after = await wait_for(recorded, 10, f"D's stats for {name}")
+        shipped = after["kv"]["counters"].get("bytes_received", 0) - before["kv"]["counters"].get(
+            "bytes_received", 0
+        )
+        loaded = (
+            after["prompt_tokens_transferred_total"] - before["prompt_tokens_transferred_total"]
+        )
+        computed = after["prompt_tokens_computed_total"] - before["prompt_tokens_computed_total"]
+        # bytes = KV bytes/token x tokens loaded, rounded up to whole blocks
+        assert shipped == math.ceil(shipped / block_bytes) * block_bytes, name
+        assert loaded * kv_bytes_per_token <= shipped < (loaded + BLOCK) * kv_bytes_per_token, name
+        # the decode engine computed only the producer's token, never the prompt
+        assert computed == 1, (name, computed)
+        if name.startswith("fresh"):
+            assert loaded == len(prompt), name
+    assert checked == 22
+    assert not mismatches, f"{len(mismatches)} of {checked} differ: {mismatches[:3]}"
+
+
+async def test_nothing_is_left_held_after_the_requests(engines):
+    async def drained():
+        stats = await engines["p"].stats.remote()
+        gauges = stats["kv"]["gauges"]
+        return gauges.get("blocks_held") == 0 and stats["kv_cache_usage"] == 0.0
+
+    await wait_for(drained, 15, "the producer to free every held block")
+    stats = await engines["p"].stats.remote()
+    assert stats["kv"]["counters"]["transfers_sent"] >= 22
+    assert stats["kv"]["counters"].get("leases_expired", 0) == 0

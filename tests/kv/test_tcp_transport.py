@@ -1,0 +1,233 @@
+"""The TCP transport over real loopback sockets, with CPU tensors laid out like vLLM's cache."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.kv.handle import KVHandle
+from pdserve.kv.layout import LayoutError, describe, mismatch
+from pdserve.kv.lease import ProducerTable
+from pdserve.kv.stats import TransferStats
+from pdserve.kv.transport import transport_class
+from pdserve.kv.transport.base import TransferError
+from pdserve.kv.transport.tcp import TcpTransport
+
+LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 16, 3, 128, 64
+
+
+def caches(fill: bool) -> dict[str, torch.Tensor]:
+    """[blocks, heads, block_size, 2*head_dim] bf16 per layer, as on vLLM's CPU backend."""
+    out = {}
+    for layer in range(LAYERS):
+        shape = (BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+        t = (
+            torch.randn(shape).to(torch.bfloat16)
+            if fill
+            else torch.zeros(shape, dtype=torch.bfloat16)
+        )
+        out[f"model.layers.{layer}.self_attn.attn"] = t
+    return out
+
+
+def layout(kv, **changes):
+    args = dict(
+        model="smol",
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        tp_rank=0,
+        tp_size=1,
+        transport="tcp",
+    )
+    args.update(changes)
+    return describe(kv, **args)
+
+
+def handle(port: int, request_id: str, blocks: list[int], lease_s: float = 30) -> KVHandle:
+    return KVHandle(
+        "127.0.0.1", (port,), request_id, tuple(blocks), 5, time.time() + lease_s, "e", "tcp"
+    )
+
+
+@pytest.fixture
+def producer():
+    kv = caches(fill=True)
+    table = ProducerTable()
+    transport = TcpTransport(layout(kv), kv, lambda: b"secret", TransferStats())
+    port = transport.start_server(table)
+    yield kv, table, transport, port
+    transport.close()
+
+
+def consumer(secret=b"secret", **layout_changes):
+    kv = caches(fill=False)
+    return kv, TcpTransport(layout(kv, **layout_changes), kv, lambda: secret, TransferStats())
+
+
+def test_pull_copies_exact_blocks_and_releases_the_lease(producer):
+    src, table, _, port = producer
+    dst, client = consumer()
+    table.offer("req-1", [2, 3, 4, 9], time.time() + 30)
+    moved = client.pull(
+        handle(port, "req-1", [2, 3, 4, 9]), [2, 3, 4, 9], [0, 1, 5, 6], 0, time.monotonic() + 10
+    )
+    assert moved == 4 * LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2
+    for name in src:
+        assert torch.equal(dst[name][[0, 1, 5, 6]], src[name][[2, 3, 4, 9]])
+        assert not dst[name][[2, 3, 4]].any()  # nothing else written
+    assert until(table.collect_done) == {"req-1"}
+
+
+def until(poll, timeout: float = 5.0):
+    """Poll until it returns something truthy (the server finishes just after the client)."""
+    deadline = time.monotonic() + timeout
+    while not (value := poll()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+def test_transports_are_chosen_by_name_lazily():
+    assert transport_class("tcp") is TcpTransport
+    with pytest.raises(ValueError, match="unknown KV transport 'udp'"):
+        transport_class("udp")
+
+
+def test_wrong_secret_is_refused_without_kv(producer, caplog):
+    _, table, _, port = producer
+    dst, client = consumer(secret=b"guess")
+    table.offer("req-2", [1], time.time() + 30)
+    with caplog.at_level(logging.WARNING), pytest.raises(TransferError) as failed:
+        client.pull(handle(port, "req-2", [1]), [1], [1], 0, time.monotonic() + 10)
+    assert failed.value.reason == "auth"
+    assert not any(t.any() for t in dst.values())
+    assert table.blocks_held() == 1  # still offered: the real consumer may still come
+    assert "wrong cluster secret" in caplog.text
+
+
+def test_layout_mismatch_names_the_field(producer):
+    _, table, _, port = producer
+    _, client = consumer(model="llama")
+    table.offer("req-3", [1], time.time() + 30)
+    with pytest.raises(TransferError) as failed:
+        client.pull(handle(port, "req-3", [1]), [1], [1], 0, time.monotonic() + 10)
+    assert failed.value.reason == "handshake"
+    assert "model is 'smol' here but 'llama' on the peer" in str(failed.value)
+
+
+def test_mismatch_checks_every_field():
+    kv = caches(fill=False)
+    base = layout(kv)
+    assert mismatch(base, layout(kv)) is None
+    assert "block_size" in mismatch(base, layout(kv, block_size=64))
+    assert "dtype" in mismatch(
+        base, describe({k: v.float() for k, v in kv.items()}, "smol", 128, 3, 64, 0, 1, "tcp")
+    )
+    assert "num_layers" in mismatch(base, layout(dict(list(kv.items())[:2])))
+
+
+def test_non_contiguous_blocks_are_refused():
+    kv = {"l0": torch.zeros(4, 8, 3, 16).transpose(0, 1)}
+    with pytest.raises(LayoutError, match="contiguous"):
+        layout(kv)
+
+
+@pytest.mark.parametrize(
+    ("offer", "ask", "reason"),
+    [(None, [1], "unknown_request"), ([1, 2], [2, 7], "bad_blocks")],
+)
+def test_refused_pulls_say_why(producer, monkeypatch, offer, ask, reason):
+    import pdserve.kv.transport.base as base
+
+    monkeypatch.setattr(base, "CLAIM_WAIT_S", 0.2)
+    _, table, _, port = producer
+    _, client = consumer()
+    if offer:
+        table.offer("req-4", offer, time.time() + 30)
+    with pytest.raises(TransferError) as failed:
+        client.pull(handle(port, "req-4", ask), ask, ask, 0, time.monotonic() + 10)
+    assert failed.value.reason == reason
+
+
+def test_expired_lease(producer):
+    _, table, _, port = producer
+    _, client = consumer()
+    table.offer("req-5", [1], time.time() - 1)
+    with pytest.raises(TransferError) as failed:
+        client.pull(handle(port, "req-5", [1]), [1], [1], 0, time.monotonic() + 10)
+    assert failed.value.reason == "lease_expired"
+    assert table.collect_done() == {"req-5"} and table.leases_expired == 1
+
+
+def test_nobody_listening():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _, client = consumer()
+    started = time.monotonic()
+    with pytest.raises(TransferError) as failed:
+        client.pull(handle(port, "r", [1]), [1], [1], 0, time.monotonic() + 5)
+    assert failed.value.reason == "connect" and time.monotonic() - started < 5
+
+
+def test_a_stalled_producer_ends_at_the_deadline():
+    server = socket.create_server(("127.0.0.1", 0))  # accepts, never speaks
+    port = server.getsockname()[1]
+    _, client = consumer()
+    started = time.monotonic()
+    with server, pytest.raises(TransferError) as failed:
+        client.pull(handle(port, "r", [1]), [1], [1], 0, time.monotonic() + 1.0)
+    assert failed.value.reason == "timeout"
+    assert time.monotonic() - started < 3
+
+
+def test_producer_dying_mid_transfer_is_a_reset(producer):
+    src, table, transport, port = producer
+    transport.rate_limit = 2e6  # ~1.5 MB at 2 MB/s: long enough to cut
+    _, client = consumer()
+    table.offer("req-6", list(range(6)), time.time() + 30)
+
+    def cut() -> None:
+        time.sleep(0.2)
+        transport.close()
+
+    killer = threading.Thread(target=cut)
+    killer.start()
+    with pytest.raises(TransferError) as failed:
+        client.pull(
+            handle(port, "req-6", list(range(6))),
+            list(range(6)),
+            list(range(6)),
+            0,
+            time.monotonic() + 10,
+        )
+    killer.join()
+    assert failed.value.reason in ("connection_reset", "timeout")
+    assert table.collect_done() == set()  # not completed: still held until the lease ends
+
+
+def test_garbage_from_a_peer_is_closed_and_logged(producer, caplog):
+    _, table, _, port = producer
+    table.offer("req-7", [1], time.time() + 30)
+    with caplog.at_level(logging.WARNING), socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.settimeout(5)
+        raw.recv(4096)  # the challenge
+        raw.sendall(struct.pack(">I", 8) + b"\x08\x96\x01garbage")
+        leftover = b""
+        try:
+            while chunk := raw.recv(4096):
+                leftover += chunk
+        except ConnectionResetError:
+            pass  # closed on us: what a malformed peer should get
+    assert len(leftover) < 200  # at most a refusal, never KV bytes
+    deadline = time.monotonic() + 5
+    while "closed connection" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "closed connection" in caplog.text
+    assert table.blocks_held() == 1
