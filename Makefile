@@ -3,7 +3,7 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format
+.PHONY: setup serve test test-fast lint format proto bench-kv
 
 setup:
 	bash scripts/bootstrap.sh
@@ -24,3 +24,9 @@ lint:
 format:
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+proto:
+	bash scripts/gen_proto.sh
+
+bench-kv: setup
+	$(VENV)/bin/python benchmarks/kv_transport.py

@@ -15,6 +15,7 @@ that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -27,6 +28,17 @@ from pdserve.config import EngineConfig, PoolConfig
 from pdserve.kv.stats import KVStatsTotals
 
 logger = logging.getLogger(__name__)
+
+
+class KVLoadFailed(RuntimeError):
+    """The decode engine could not load the request's KV and the policy is `fail`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"KV transfer failed ({reason}): {message}")
+        self.reason, self.detail = reason, message
+
+    def __reduce__(self):  # crosses Ray's process boundary intact
+        return (type(self), (self.reason, self.detail))
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,11 @@ def _stats_logger_factory(stats: EngineStats):
             pass
 
     return _Collector
+
+
+def _pulls_kv(sampling_params: Any) -> bool:
+    params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+    return bool(params and "remote_request_id" in params)
 
 
 def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
@@ -176,6 +193,8 @@ class EngineActor:
         try:
             async for output in self._engine.generate(prompt, sampling_params, request_id):
                 completion = output.outputs[0]
+                if completion.finish_reason == "error" and _pulls_kv(sampling_params):
+                    raise await self._kv_failure(request_id)
                 yield TokenDelta(
                     token_ids=list(completion.token_ids),
                     text=completion.text,
@@ -186,6 +205,16 @@ class EngineActor:
                 )
         finally:
             self._stats.requests_finished_total += 1
+
+    async def _kv_failure(self, request_id: str) -> KVLoadFailed:
+        """The reason the connector recorded for this request's failed pull (it arrives with
+        the same or the next engine step's stats)."""
+        deadline = time.monotonic() + 2.0
+        while (why := self._stats.kv.failure_of(request_id)) is None:
+            if time.monotonic() > deadline:
+                return KVLoadFailed("unknown", "the engine reported a KV load failure")
+            await asyncio.sleep(0.02)
+        return KVLoadFailed(*why)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

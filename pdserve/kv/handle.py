@@ -35,6 +35,8 @@ class KVHandle:
     """Unix time after which the producer may free the blocks."""
     engine_id: str
     transport: str
+    lease_token: bytes = b""
+    """The producer scheduler's HMAC over (request, blocks, deadline); see wire.lease_token."""
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -47,6 +49,7 @@ class KVHandle:
             "lease_deadline": self.lease_deadline,
             "remote_engine_id": self.engine_id,
             "transport": self.transport,
+            "lease_token": self.lease_token.hex(),
         }
 
     @classmethod
@@ -61,6 +64,7 @@ class KVHandle:
                 lease_deadline=float(params["lease_deadline"]),
                 engine_id=str(params.get("remote_engine_id", "")),
                 transport=str(params.get("transport", "tcp")),
+                lease_token=bytes.fromhex(str(params.get("lease_token", ""))),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise HandleError(f"kv_transfer_params is not a pdserve KV handle: {error!r}") from None

@@ -7,6 +7,9 @@ Life of an offer (producer worker process):
    the blocks, and `release`s it: on success the offer is done and its blocks may be freed.
 3. An offer nobody completes before its deadline expires in `collect_done`; an offer that is
    being read never expires under the reader (no block is freed while it is read).
+A pull may outrun step 1 (the worker hears of an offer one engine step after the handle left):
+it then carries the scheduler's signed lease (`grant`), which stands in for the offer; the
+notice that comes later for a request already settled is ignored.
 `collect_done` hands the finished request ids to vLLM (`finished_sending`), which frees the blocks.
 """
 
@@ -37,22 +40,31 @@ class ProducerTable:
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
         self._offers: dict[str, _Offer] = {}
-        self._finished: set[str] = set()
-        self._expired_recently: set[str] = set()
+        self._settled: dict[str, bool] = {}  # request id -> expired (bounded, oldest dropped)
         self._cond = threading.Condition()
         self.leases_expired = 0
 
     def offer(self, request_id: str, block_ids: list[int], deadline: float) -> None:
         with self._cond:
-            self._offers[request_id] = _Offer(tuple(block_ids), deadline)
+            if request_id not in self._offers and request_id not in self._settled:
+                self._offers[request_id] = _Offer(tuple(block_ids), deadline)
             self._cond.notify_all()
 
-    def claim(self, request_id: str, block_ids: list[int], wait_s: float) -> None:
-        """Mark the offer as being read, after checking it holds `block_ids`."""
+    def claim(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        wait_s: float,
+        grant: tuple[list[int], float] | None = None,
+    ) -> None:
+        """Mark the offer as being read, after checking it holds `block_ids`. `grant` (blocks
+        held, deadline) is a verified lease from the scheduler, used if no offer is known yet."""
         give_up = time.monotonic() + wait_s
         with self._cond:
+            if grant is not None and request_id not in self._settled:
+                self._offers.setdefault(request_id, _Offer(tuple(grant[0]), grant[1]))
             while request_id not in self._offers:
-                if request_id in self._expired_recently:
+                if self._settled.get(request_id):
                     raise ClaimError("lease_expired", f"lease of {request_id} expired")
                 left = give_up - time.monotonic()
                 if left <= 0:
@@ -86,11 +98,11 @@ class ProducerTable:
                 if offer.readers == 0 and (offer.done or now > offer.deadline)
             }
             for rid in done:
-                if not self._offers.pop(rid).done:
-                    self.leases_expired += 1
-                    self._expired_recently.add(rid)
-            if len(self._expired_recently) > 10_000:
-                self._expired_recently.clear()
+                expired = not self._offers.pop(rid).done
+                self.leases_expired += expired
+                self._settled[rid] = expired
+            while len(self._settled) > 10_000:
+                self._settled.pop(next(iter(self._settled)))
             return done
 
     def blocks_held(self) -> int:

@@ -25,6 +25,7 @@ from pdserve.kv.handle import (
     wants_remote_prefill,
 )
 from pdserve.kv.settings import ConnectorSettings, PDServeMetadata, RecvSpec, SendSpec
+from pdserve.kv.wire import lease_token
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class SchedulerSide:
             lease_deadline=deadline,
             engine_id=self.engine_id,
             transport=self.settings.transport,
+            lease_token=lease_token(
+                self.settings.read_secret(), request.request_id, list(block_ids), deadline
+            ),
         )
         return True, handle.to_params()
 

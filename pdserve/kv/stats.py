@@ -36,14 +36,18 @@ class TransferStats:
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._transfers: list[tuple[int, float]] = []
+        self._failed: list[tuple[str, str, str]] = []
         self.in_flight = 0
 
     def count(self, name: str, amount: int | float = 1) -> None:
         with self._lock:
             self._counters[name] += amount
 
-    def failure(self, reason: str) -> None:
-        self.count(f"failures_{reason}")
+    def failure(self, reason: str, request_id: str | None = None, message: str = "") -> None:
+        with self._lock:
+            self._counters[f"failures_{reason}"] += 1
+            if request_id is not None:
+                self._failed.append((request_id, reason, message))
 
     def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -68,10 +72,12 @@ class TransferStats:
             data = {
                 "counters": dict(self._counters),
                 "transfers": list(self._transfers),
+                "failed_requests": list(self._failed),
                 "gauges": gauges,
             }
             self._counters.clear()
             self._transfers.clear()
+            self._failed.clear()
         return data
 
 
@@ -99,6 +105,10 @@ class PDServeKVStats(KVConnectorStats):
         self.data = {
             "counters": dict(merged),
             "transfers": [*self.data.get("transfers", []), *other.data.get("transfers", [])],
+            "failed_requests": [
+                *self.data.get("failed_requests", []),
+                *other.data.get("failed_requests", []),
+            ],
             "gauges": dict(gauges),
         }
         return self
@@ -115,6 +125,8 @@ class KVStatsTotals:
     counters: Counter = field(default_factory=Counter)
     gauges: dict[str, float] = field(default_factory=dict)
     recent_transfers: list[tuple[int, float]] = field(default_factory=list)
+    failed_requests: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """vLLM request id -> (reason, message) of recent failed pulls."""
 
     def observe(self, data: dict[str, Any] | None) -> None:
         if not data:
@@ -123,6 +135,17 @@ class KVStatsTotals:
         self.gauges.update(data.get("gauges", {}))
         self.recent_transfers.extend(tuple(t) for t in data.get("transfers", []))
         del self.recent_transfers[:-1000]
+        for request_id, reason, message in data.get("failed_requests", []):
+            self.failed_requests[request_id] = (reason, message)
+        while len(self.failed_requests) > 1000:
+            self.failed_requests.pop(next(iter(self.failed_requests)))
+
+    def failure_of(self, request_id: str) -> tuple[str, str] | None:
+        """Why the pull for `request_id` (the caller's id; vLLM adds a suffix) failed, if known."""
+        for internal, why in reversed(self.failed_requests.items()):
+            if internal == request_id or internal.startswith(request_id + "-"):
+                return why
+        return None
 
     def as_dict(self) -> dict[str, Any]:
         return {

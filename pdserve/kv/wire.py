@@ -67,5 +67,11 @@ def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, _CONTEXT + role + first + second, hashlib.sha256).digest()
 
 
+def lease_token(secret: bytes, request_id: str, block_ids: list[int], deadline: float) -> bytes:
+    """The producer scheduler's signature on a lease: request, blocks held, and deadline."""
+    body = f"{request_id}|{','.join(map(str, block_ids))}|{deadline!r}".encode()
+    return hmac.new(secret, _CONTEXT + b"lease" + body, hashlib.sha256).digest()
+
+
 def verify(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)

@@ -131,12 +131,12 @@ class WorkerSide:
             failed = False
         except (TransferError, HandleError) as error:
             reason = getattr(error, "reason", "bad_handle")
-            self.stats.failure(reason)
+            self.stats.failure(reason, request_id, str(error))
             logger.warning("KV pull for %s failed (%s): %s", request_id, reason, error)
             failed = True
         except Exception:  # never leave a request waiting for remote KV forever
             logger.exception("KV pull for %s crashed", request_id)
-            self.stats.failure("connection_reset")
+            self.stats.failure("connection_reset", request_id, "the pull crashed")
             failed = True
         finally:
             self.stats.ended()

@@ -99,13 +99,14 @@ class PDResult:
 
 
 async def disaggregated(p, d, prompt: list[int], max_tokens: int, mutate=None) -> PDResult:
-    """Prefill on `p`, decode on `d`; `mutate(handle)` may corrupt the handle for fault tests."""
+    """Prefill on `p`, decode on `d`; `mutate(handle)` may corrupt (a copy of) the handle."""
     started = time.monotonic()
     first = await generate(p, prompt, greedy(1, producer_params()), rid("prefill"))
     handle = first[-1].kv_transfer_params
     assert handle and handle.get("do_remote_prefill"), f"producer returned no handle: {first[-1]}"
     if mutate:
-        handle = mutate(dict(handle)) or handle
+        handle = dict(handle)
+        mutate(handle)
     first_token = tokens(first)
     rest = await generate(d, prompt + first_token, greedy(max_tokens - 1, handle), rid("decode"))
     return PDResult(first_token + tokens(rest), handle, rest, time.monotonic() - started)

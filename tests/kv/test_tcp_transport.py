@@ -231,3 +231,44 @@ def test_garbage_from_a_peer_is_closed_and_logged(producer, caplog):
         time.sleep(0.05)
     assert "closed connection" in caplog.text
     assert table.blocks_held() == 1
+
+
+def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatch):
+    import pdserve.kv.transport.base as base
+    from pdserve.kv.wire import lease_token
+
+    monkeypatch.setattr(base, "CLAIM_WAIT_S", 0.2)
+    src, table, _, port = producer
+    dst, client = consumer()
+    deadline = time.time() + 30
+    signed = KVHandle(
+        "127.0.0.1",
+        (port,),
+        "early",
+        (4, 5),
+        200,
+        deadline,
+        "e",
+        "tcp",
+        lease_token(b"secret", "early", [4, 5], deadline),
+    )
+    client.pull(signed, [5], [1], 0, time.monotonic() + 10)  # no offer yet: the lease stands in
+    for name in src:
+        assert torch.equal(dst[name][1], src[name][5])
+    assert until(table.collect_done) == {"early"}
+    table.offer("early", [4, 5], deadline)  # the late notice is ignored: already settled
+    assert table.blocks_held() == 0
+    forged = KVHandle(
+        "127.0.0.1",
+        (port,),
+        "forged",
+        (4, 5),
+        200,
+        deadline,
+        "e",
+        "tcp",
+        lease_token(b"guess", "forged", [4, 5], deadline),
+    )
+    with pytest.raises(TransferError) as failed:
+        client.pull(forged, [5], [1], 0, time.monotonic() + 10)
+    assert failed.value.reason == "unknown_request"

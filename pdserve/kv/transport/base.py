@@ -4,8 +4,8 @@ Both transports speak the same control protocol over a TCP connection (framing, 
 authentication, layout handshake, pull request, reply, done; see kv_transfer.proto). They differ
 only in how block bytes travel after an OK reply, which subclasses provide:
 
-- producer side (prefill worker): `_send_blocks(conn, runs, deadline, link)`;
-- consumer side (decode worker): `_recv_blocks(conn, runs, deadline, link)`;
+- producer side (prefill worker): `_send_blocks(conn, block_ids, deadline, link)`;
+- consumer side (decode worker): `_recv_blocks(conn, block_ids, deadline, link)`;
 - optional per-peer pairing: `_consumer_pairing` adds Handshake fields, `_consumer_link` and
   `_producer_link` return the data link both sides then use (the NCCL communicator).
 
@@ -29,6 +29,7 @@ from pdserve.kv.stats import TransferStats
 from pdserve.kv.wire import (
     PROTOCOL_VERSION,
     ProtocolError,
+    lease_token,
     new_nonce,
     proof,
     recv_message,
@@ -93,15 +94,15 @@ class KVTransport(ABC):
 
     @abstractmethod
     def _send_blocks(
-        self, conn: socket.socket, runs: Iterator[Any], deadline: float, link: Any
+        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
     ) -> None:
-        """Producer: move each tensor run (in order) to the consumer."""
+        """Producer: move these blocks of every layer, layer by layer, to the consumer."""
 
     @abstractmethod
     def _recv_blocks(
-        self, conn: socket.socket, runs: Iterator[Any], deadline: float, link: Any
+        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
     ) -> None:
-        """Consumer: fill each tensor run (in order) with the producer's bytes."""
+        """Consumer: fill these blocks of every layer, in the same order, with the bytes."""
 
     def _consumer_pairing(self, peer: tuple[str, int]) -> dict[str, bytes]:
         """Consumer: extra Handshake fields for this peer (default: none)."""
@@ -197,8 +198,11 @@ class KVTransport(ABC):
 
     def _serve_pull(self, conn: socket.socket, request: pb.PullRequest, link: Any) -> None:
         blocks = list(request.block_ids)
+        held = list(request.held_block_ids)
+        token = lease_token(self._secret(), request.request_id, held, request.lease_deadline)
+        grant = (held, request.lease_deadline) if verify(token, request.lease_token) else None
         try:
-            self._table.claim(request.request_id, blocks, CLAIM_WAIT_S)
+            self._table.claim(request.request_id, blocks, CLAIM_WAIT_S, grant)
         except ClaimError as refused:
             status = {
                 "unknown_request": pb.PullReply.UNKNOWN_REQUEST,
@@ -221,9 +225,7 @@ class KVTransport(ABC):
                     num_blocks=len(blocks),
                 ),
             )
-            self._send_blocks(
-                conn, self.runs(blocks), time.monotonic() + CONTROL_TIMEOUT_S * 6, link
-            )
+            self._send_blocks(conn, blocks, time.monotonic() + CONTROL_TIMEOUT_S * 6, link)
             completed = recv_message(conn, pb.PullDone).ok
             if completed:
                 self.stats.transfer("sent", total, time.monotonic() - started)
@@ -259,7 +261,14 @@ class KVTransport(ABC):
                 raise TransferError("handshake", result.message)
             link = self._consumer_link(peer, pairing)
             send_message(
-                conn, pb.PullRequest(request_id=handle.request_id, block_ids=remote_blocks)
+                conn,
+                pb.PullRequest(
+                    request_id=handle.request_id,
+                    block_ids=remote_blocks,
+                    held_block_ids=handle.block_ids,
+                    lease_deadline=handle.lease_deadline,
+                    lease_token=handle.lease_token,
+                ),
             )
             reply = recv_message(conn, pb.PullReply)
             if reply.status != pb.PullReply.OK:
@@ -270,7 +279,7 @@ class KVTransport(ABC):
                 raise TransferError(
                     "handshake", f"producer sends {reply.total_bytes} B, expected {expected}"
                 )
-            self._recv_blocks(conn, self.runs(local_blocks), deadline, link)
+            self._recv_blocks(conn, local_blocks, deadline, link)
             send_message(conn, pb.PullDone(ok=True, received_bytes=expected))
             return expected
         except TimeoutError:

@@ -130,11 +130,11 @@ class NcclTransport(KVTransport):
             stream.synchronize()
 
     def _send_blocks(
-        self, conn: socket.socket, runs: Iterator[Any], deadline: float, link: Any
+        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
     ) -> None:
-        self._move(runs, link, send=True)
+        self._move(self.runs(blocks), link, send=True)
 
     def _recv_blocks(
-        self, conn: socket.socket, runs: Iterator[Any], deadline: float, link: Any
+        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
     ) -> None:
-        self._move(runs, link, send=False)
+        self._move(self.runs(blocks), link, send=False)

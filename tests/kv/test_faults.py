@@ -1,0 +1,180 @@
+"""KV transfer faults with real engines: each ends in the failure policy's outcome in time.
+
+recompute: the decode engine computes the prefill itself and the tokens equal a plain run's;
+fail: the request ends with an explicit error naming the reason. The producer's held blocks
+return to zero. Engines: a producer (short lease, rate-limited sends so a transfer can be cut),
+a second producer whose model folder has another name (handshake mismatch), and two consumers
+(recompute, fail) that read the cluster secret from files (so a test can give one a wrong one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+import ray
+
+from pdserve.engine import KVLoadFailed
+from tests.kv.harness import (
+    SECRET,
+    consumer,
+    disaggregated,
+    generate,
+    greedy,
+    producer,
+    rid,
+    start_engines,
+    tokens,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+
+LEASE_S = 4.0
+TIMEOUT_S = 6.0
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def secrets(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("secrets")
+    files = {name: folder / name for name in ("d", "d_fail")}
+    for path in files.values():
+        path.write_text(SECRET)
+    return files
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session, default_model_dir, tmp_path_factory, secrets):
+    renamed = tmp_path_factory.mktemp("models") / "SmolLM2-other-name"
+    renamed.symlink_to(default_model_dir, target_is_directory=True)
+    engines = start_engines(
+        str(default_model_dir),
+        {
+            "p": producer(lease_s=LEASE_S, send_rate_limit_bytes_per_s=20e6),
+            "d": consumer("recompute", timeout_s=TIMEOUT_S, secret_file=str(secrets["d"])),
+            "d_fail": consumer("fail", timeout_s=TIMEOUT_S, secret_file=str(secrets["d_fail"])),
+        },
+    )
+    other = start_engines(str(renamed), {"p_other": producer(lease_s=LEASE_S)})
+    engines.actors.update(other.actors)
+    yield engines
+    engines.stop()
+
+
+async def plain(engine, prompt):
+    return tokens(await generate(engine, prompt, greedy(MAX_TOKENS), rid("plain")))
+
+
+async def held_blocks(engine) -> int:
+    return (await engine.stats.remote())["kv"]["gauges"].get("blocks_held", 0)
+
+
+async def failures(engine, reason: str) -> int:
+    return (await engine.stats.remote())["kv"]["counters"].get(f"failures_{reason}", 0)
+
+
+async def assert_producer_drains(engine, within: float = LEASE_S + 8):
+    async def drained():
+        return await held_blocks(engine) == 0
+
+    await wait_for(drained, within, "the producer's held blocks to return to zero")
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wrong_port(handle):
+    handle["remote_ports"] = [closed_port()]
+
+
+async def check_recompute(engines, prompt, reason, producer_name="p", mutate=None):
+    expected = await plain(engines[producer_name], prompt)
+    before = await failures(engines["d"], reason)
+    started = time.monotonic()
+    result = await disaggregated(engines[producer_name], engines["d"], prompt, MAX_TOKENS, mutate)
+    assert time.monotonic() - started < TIMEOUT_S + 20
+    assert result.tokens == expected
+    counters = (await engines["d"].stats.remote())["kv"]["counters"]
+    assert counters.get(f"failures_{reason}", 0) == before + 1, counters
+
+
+async def check_fail(engines, prompt, reason, producer_name="p", mutate=None):
+    started = time.monotonic()
+    with pytest.raises(KVLoadFailed) as failed:
+        await disaggregated(engines[producer_name], engines["d_fail"], prompt, MAX_TOKENS, mutate)
+    assert failed.value.reason == reason
+    assert "KV transfer failed" in str(failed.value)
+    assert time.monotonic() - started < TIMEOUT_S + 20
+
+
+async def test_handle_pointing_at_a_wrong_port(engines, corpus):
+    await check_recompute(engines, corpus[40:340], "connect", mutate=wrong_port)
+    await check_fail(engines, corpus[60:300], "connect", mutate=wrong_port)
+    await assert_producer_drains(engines["p"])  # nobody pulled: the leases ran out
+
+
+async def test_expired_lease(engines, corpus):
+    prompt = corpus[80:500]
+    expected = await plain(engines["p"], prompt)
+    first = await generate(engines["p"], prompt, greedy(1, {"do_remote_decode": True}), rid("p"))
+    handle = first[-1].kv_transfer_params
+    await assert_producer_drains(engines["p"])  # the lease ran out and the blocks were freed
+    before = await failures(engines["d"], "lease_expired")
+    rest = await generate(
+        engines["d"], prompt + tokens(first), greedy(MAX_TOKENS - 1, handle), rid("d")
+    )
+    assert tokens(first) + tokens(rest) == expected
+    assert await failures(engines["d"], "lease_expired") == before + 1
+    stats = await engines["p"].stats.remote()
+    assert stats["kv"]["counters"].get("leases_expired", 0) >= 1
+
+
+async def test_expired_lease_under_fail_policy(engines, corpus):
+    def expired(handle):
+        handle["lease_deadline"] = time.time() - 1
+
+    await check_fail(engines, corpus[90:400], "lease_expired", mutate=expired)
+
+
+async def test_wrong_secret(engines, corpus, secrets):
+    for name in ("d", "d_fail"):
+        secrets[name].write_text("not-the-cluster-secret")
+    try:
+        await check_recompute(engines, corpus[120:600], "auth")
+        await check_fail(engines, corpus[130:450], "auth")
+    finally:
+        for name in ("d", "d_fail"):
+            secrets[name].write_text(SECRET)
+    await assert_producer_drains(engines["p"])
+
+
+async def test_handshake_mismatch(engines, corpus):
+    await check_recompute(engines, corpus[150:700], "handshake", producer_name="p_other")
+    await check_fail(engines, corpus[160:420], "handshake", producer_name="p_other")
+    await assert_producer_drains(engines["p_other"])
+
+
+async def test_producer_killed_mid_transfer(engines, corpus):
+    """Last: kills the producer. ~44 MB at 20 MB/s leaves two seconds to cut the transfer."""
+    prompt = corpus[200:2100]
+    expected = await plain(engines["p"], prompt)
+    before = await failures(engines["d"], "connection_reset")
+    decoding = asyncio.ensure_future(disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS))
+
+    async def pulling():
+        stats = await engines["d"].stats.remote()
+        return stats["kv"]["gauges"].get("in_flight", 0) > 0
+
+    await wait_for(pulling, 60, "the decode engine to start pulling")
+    ray.kill(engines["p"], no_restart=True)
+    started = time.monotonic()
+    result = await asyncio.wait_for(decoding, TIMEOUT_S + 60)
+    assert result.tokens == expected
+    assert time.monotonic() - started < TIMEOUT_S + 60
+    assert await failures(engines["d"], "connection_reset") == before + 1
