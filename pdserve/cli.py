@@ -40,6 +40,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             router["host"] = args.host
         if args.port is not None:
             router["http_port"] = args.port
+        if args.grpc_port is not None:
+            router["grpc_port"] = args.grpc_port
         if router:
             overrides["router"] = {**config.router.model_dump(), **router}
         if overrides:
@@ -177,8 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", help="join this Ray cluster instead of starting a local one")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
+    serve.add_argument(
+        "--grpc-port", type=int, help="gRPC port (default 50051; 0 picks a free one)"
+    )
     serve.add_argument("--cache-dir", help="model cache folder (as for `model prepare`)")
-    serve.add_argument("--ready-file", help="write the bound URLs as JSON here once serving")
+    serve.add_argument(
+        "--ready-file", help='write {"http": URL, "grpc": HOST:PORT} here once serving'
+    )
     serve.set_defaults(func=_cmd_serve)
     _add_plan_parser(commands)
     return parser

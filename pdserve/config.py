@@ -70,6 +70,8 @@ class PoolConfig(_Strict):
     """Custom Ray resources each node needs, e.g. {"prefill_pool": 1} to pin it to prefill hosts."""
     cpu_bind: list[str] = Field(default_factory=list)
     """CPU only: VLLM_CPU_OMP_THREADS_BIND per replica (e.g. ["0", "1"]); empty: unbound."""
+    max_restarts: int = Field(3, ge=0)
+    """How often Ray restarts a node that died; it rejoins its pool once healthy."""
 
 
 class PoolsConfig(_Strict):
@@ -94,6 +96,10 @@ class RouterConfig(_Strict):
     """Requests admitted at once; beyond this the router answers 429 / RESOURCE_EXHAUSTED."""
     served_model_name: str | None = None
     """Model name clients use. None: the model folder's name."""
+    policy: Literal["least_outstanding", "power_of_two", "round_robin"] = "least_outstanding"
+    """How a node is chosen in each pool (see router/policies.py)."""
+    prefill_fallback: bool = True
+    """With no healthy prefill node, prefill on the decode node instead of failing."""
 
 
 class KVTransferConfig(_Strict):

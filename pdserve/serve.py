@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import signal
 import time
 from pathlib import Path
 
 import ray
 
-from pdserve.config import DEFAULT_MODEL, PDServeConfig, PoolConfig
+from pdserve.config import DEFAULT_MODEL, PDServeConfig
 from pdserve.engine import create_engine_actor
 from pdserve.model_prep import prepare_default_model
 from pdserve.roofline.serving import default_chunk_size
@@ -68,14 +69,58 @@ def _init_ray(config: PDServeConfig) -> bool:
     return True
 
 
-def _start_pool(config: PDServeConfig, model_dir: Path, served: str, role: str, pool: PoolConfig):
-    actors = [
-        create_engine_actor(
-            f"pdserve-{role}-{replica}", str(model_dir), served, config.engine, pool, replica
+def _start_pools(config: PDServeConfig, model_dir: Path, served: str) -> dict[str, list]:
+    """Place every node of the configured mode's pools: {pool name: [actor, ...]}."""
+    if config.mode == "colocated":
+        pool = config.pools.colocated
+        return {
+            "colocated": [
+                create_engine_actor(
+                    f"pdserve-colocated-{replica}",
+                    str(model_dir),
+                    served,
+                    config.engine,
+                    pool,
+                    replica,
+                    max_restarts=pool.max_restarts,
+                )
+                for replica in range(pool.replicas)
+            ]
+        }
+    from decode_node.node import create_decode_node
+    from prefill_node.node import create_prefill_node
+
+    secret = config.kv_transfer.secret or secrets.token_hex(32)
+    return {
+        "prefill": [
+            create_prefill_node(config, str(model_dir), served, replica, secret)
+            for replica in range(config.pools.prefill.replicas)
+        ],
+        "decode": [
+            create_decode_node(config, str(model_dir), served, replica, secret)
+            for replica in range(config.pools.decode.replicas)
+        ],
+    }
+
+
+def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list]):
+    from router.dispatch import Colocated, Disaggregated
+    from router.pools import Node, Pool
+
+    built = {
+        name: Pool(
+            name,
+            [
+                Node(info["name"], actor, info)
+                for actor, info in zip(actors, infos[name], strict=True)
+            ],
+            config.router.policy,
         )
-        for replica in range(pool.replicas)
-    ]
-    return actors, [actor.start.remote() for actor in actors]
+        for name, actors in pools.items()
+    }
+    if config.mode == "colocated":
+        return Colocated(built["colocated"])
+    return Disaggregated(built["prefill"], built["decode"], config.router.prefill_fallback)
 
 
 def _stop_actors(actors: list) -> None:
@@ -98,32 +143,49 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-async def _serve_http(app, host: str, port: int, on_ready) -> None:
-    """Serve until SIGINT/SIGTERM, then return normally (uvicorn would re-raise the signal)."""
+async def _serve(state, config: PDServeConfig, on_ready) -> None:
+    """Serve HTTP and gRPC until SIGINT/SIGTERM, with the pools' health watchers alongside;
+    then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
+
+    from router.grpc_api import create_server
+    from router.openai_http import create_app
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
             yield
 
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    pools = list(state.dispatcher.pools.values())
+    for pool in pools:
+        pool.start_watching()
+    host = config.router.host
+    grpc_server, grpc_port, grpc_health = await create_server(
+        state, f"{host}:{config.router.grpc_port}"
+    )
+    http = _Server(
+        uvicorn.Config(
+            create_app(state), host=host, port=config.router.http_port, log_level="warning"
+        )
+    )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda s=signum: _request_exit(server, s))
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
+        loop.add_signal_handler(signum, lambda s=signum: _request_exit(http, s))
+    task = asyncio.create_task(http.serve())
+    while not http.started and not task.done():
         await asyncio.sleep(0.05)
-    if server.started:
-        bound = server.servers[0].sockets[0].getsockname()
-        on_ready(bound[0], bound[1])
+    if http.started:
+        on_ready(host, http.servers[0].sockets[0].getsockname()[1], grpc_port)
     await task
+    await grpc_health.enter_graceful_shutdown()
+    await grpc_server.stop(grace=5)
+    for pool in pools:
+        await pool.stop_watching()
 
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     from router.frontend import Frontend
-    from router.openai_http import RouterState, create_app
-    from router.pools import Node, Pool
+    from router.openai_http import RouterState
 
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -133,38 +195,45 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     owns_ray = _init_ray(config)
     actors: list = []
     try:
-        if config.mode != "colocated":
-            raise NotImplementedError(
-                "disaggregated mode is not available yet; use mode: colocated"
-            )
-        actors, starting = _start_pool(
-            config, model_dir, served, "colocated", config.pools.colocated
+        pools = _start_pools(config, model_dir, served)
+        actors = [actor for group in pools.values() for actor in group]
+        names = [(name, i) for name, group in pools.items() for i in range(len(group))]
+        started_infos = ray.get(
+            [actor.start.remote() for actor in actors], timeout=ENGINE_START_TIMEOUT_S
         )
-        infos = ray.get(starting, timeout=ENGINE_START_TIMEOUT_S)
-        nodes = [Node(info["name"], actor, info) for actor, info in zip(actors, infos, strict=True)]
-        for info in infos:
+        infos: dict[str, list] = {name: [] for name in pools}
+        for (name, _), info in zip(names, started_infos, strict=True):
+            infos[name].append(info)
             logger.info(
-                "engine %s up in %.1f s (pid %s)", info["name"], info["start_s"], info["pid"]
+                "%s engine %s up in %.1f s (pid %s)",
+                name,
+                info["name"],
+                info["start_s"],
+                info["pid"],
             )
-        frontend = Frontend(str(model_dir), served, infos[0]["max_model_len"])
-        state = RouterState(frontend=frontend, pool=Pool("colocated", nodes), config=config.router)
+        dispatcher = _build_dispatcher(config, pools, infos)
+        frontend = Frontend(str(model_dir), served, started_infos[0]["max_model_len"])
+        state = RouterState(frontend=frontend, dispatcher=dispatcher, config=config.router)
+        sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())
 
-        def on_ready(host: str, port: int) -> None:
+        def on_ready(host: str, port: int, grpc_port: int) -> None:
             logger.info(
-                "pdserve ready in %.1f s: serving %r on http://%s:%d (colocated, %d engine(s))",
+                "pdserve ready in %.1f s: serving %r on http://%s:%d and grpc %s:%d (%s: %s)",
                 time.monotonic() - started,
                 served,
                 host,
                 port,
-                len(nodes),
+                host,
+                grpc_port,
+                config.mode,
+                sizes,
             )
             if ready_file:
-                Path(ready_file).write_text(json.dumps({"http": f"http://{host}:{port}"}))
+                urls = {"http": f"http://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
+                Path(ready_file).write_text(json.dumps(urls))
 
-        asyncio.run(
-            _serve_http(create_app(state), config.router.host, config.router.http_port, on_ready)
-        )
-        logger.info("HTTP server stopped; shutting down")
+        asyncio.run(_serve(state, config, on_ready))
+        logger.info("HTTP and gRPC servers stopped; shutting down")
         return 0
     finally:
         _stop_actors(actors)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.config import RouterConfig
 from pdserve.engine import TokenDelta
+from router.dispatch import Colocated, Disaggregated
 from router.errors import (
     InvalidRequest,
     Overloaded,
@@ -29,7 +30,6 @@ from router.errors import (
     error_body,
 )
 from router.frontend import Frontend, PreparedRequest
-from router.pools import Pool
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RouterState:
     frontend: Frontend
-    pool: Pool
+    dispatcher: Colocated | Disaggregated
     config: RouterConfig
     outstanding: int = 0
 
@@ -150,8 +150,7 @@ class Handler:
         self.state = state
 
     def admit(self) -> None:
-        if not self.state.pool.healthy_nodes():
-            raise PoolUnavailable(f"no healthy node in the {self.state.pool.name} pool")
+        self.state.dispatcher.check_available()
         if self.state.outstanding >= self.state.config.max_outstanding_requests:
             raise Overloaded(
                 f"{self.state.outstanding} requests in flight (limit "
@@ -159,14 +158,9 @@ class Handler:
             )
         self.state.outstanding += 1
 
-    async def deltas(self, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
+    def deltas(self, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
         deadline = prepared.arrival + self.state.config.request_timeout_s
-        node = self.state.pool.pick()
-        logger.debug("request %s -> %s", prepared.request_id, node.name)
-        async for delta in self.state.pool.stream(
-            node, prepared.request_id, prepared.prompt_token_ids, prepared.sampling_params, deadline
-        ):
-            yield delta
+        return self.state.dispatcher.deltas(prepared, deadline)
 
     async def complete(self, prepared: PreparedRequest) -> JSONResponse:
         try:
@@ -207,10 +201,22 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        healthy = len(state.pool.healthy_nodes())
-        status = 200 if healthy else 503
-        body = {"status": "ok" if healthy else "unavailable", "healthy_nodes": healthy}
-        return JSONResponse(body, status_code=status)
+        pools = {
+            name: {
+                "healthy": len(pool.healthy_nodes()),
+                "nodes": [
+                    {"name": n.name, "healthy": n.healthy, "pid": n.info.get("pid")}
+                    for n in pool.nodes
+                ],
+            }
+            for name, pool in state.dispatcher.pools.items()
+        }
+        try:
+            state.dispatcher.check_available()
+        except PoolUnavailable as error:
+            body = {"status": "unavailable", "reason": error.message, "pools": pools}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "mode": state.dispatcher.mode, "pools": pools})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

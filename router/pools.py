@@ -1,14 +1,18 @@
-"""Pools of engine nodes as the router sees them: handles, live load, and one streaming call.
+"""Pools of engine nodes as the router sees them: handles, live load, health, one streaming call.
 
 `Pool.stream` is the only place the router talks to an engine actor: it opens Ray's streaming
-generator, enforces the request's deadline, turns Ray's actor failures into named errors, and
-cancels the engine-side request when the caller stops listening (client gone, deadline, error).
+generator, enforces the request's deadline, turns Ray's actor failures into `NodeFailed`, and
+cancels the engine-side request when the caller stops listening (client gone, deadline, error),
+which aborts it in vLLM and frees its blocks.
+
+`Pool.watch` keeps membership live: every interval it asks each node for health and stats. A node
+that fails leaves the pool at once (also when a call sees it die); a node Ray restarted comes back
+without an engine, is started again, and rejoins when healthy.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,8 +24,16 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pdserve.engine import TokenDelta
 from router.errors import DeadlineExceeded, EngineFailed, PoolUnavailable
+from router.policies import RoutingPolicy, make_policy
 
 logger = logging.getLogger(__name__)
+
+NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
+HEALTH_TIMEOUT_S = 5.0
+
+
+class NodeFailed(EngineFailed):
+    """The node died or became unreachable while serving (the caller may retry elsewhere)."""
 
 
 @dataclass
@@ -31,30 +43,40 @@ class Node:
     info: dict = field(default_factory=dict)
     healthy: bool = True
     outstanding: int = 0
+    outstanding_prompt_tokens: int = 0
+    stats: dict = field(default_factory=dict)
+    restarting: bool = False
 
 
 class Pool:
-    def __init__(self, name: str, nodes: list[Node]) -> None:
+    def __init__(
+        self, name: str, nodes: list[Node], policy: str | RoutingPolicy = "least_outstanding"
+    ):
         self.name = name
         self.nodes = nodes
-        self._tiebreak = itertools.count()
+        self.policy = make_policy(policy, name) if isinstance(policy, str) else policy
+        self._watcher: asyncio.Task | None = None
 
     def healthy_nodes(self) -> list[Node]:
         return [node for node in self.nodes if node.healthy]
 
-    def pick(self) -> Node:
-        """The healthy node with the least outstanding requests (round robin among equals)."""
-        healthy = self.healthy_nodes()
-        if not healthy:
+    def pick(self, exclude: tuple[Node, ...] = ()) -> Node:
+        candidates = [node for node in self.healthy_nodes() if node not in exclude]
+        if not candidates:
             raise PoolUnavailable(f"no healthy node in the {self.name} pool")
-        turn = next(self._tiebreak)
-        return min(healthy, key=lambda n: (n.outstanding, (healthy.index(n) - turn) % len(healthy)))
+        return self.policy.choose(candidates)
+
+    def mark_failed(self, node: Node, why: str) -> None:
+        if node.healthy:
+            logger.error("%s node %s left the pool: %s", self.name, node.name, why)
+        node.healthy = False
 
     async def stream(
         self, node: Node, request_id: str, token_ids: list[int], params: Any, deadline: float
     ) -> AsyncIterator[TokenDelta]:
         """Yield the engine's deltas for one request until it finishes or `deadline` (monotonic)."""
         node.outstanding += 1
+        node.outstanding_prompt_tokens += len(token_ids)
         stream = node.handle.generate.options(num_returns="streaming").remote(
             request_id, token_ids, params
         )
@@ -67,14 +89,59 @@ class Pool:
                     yield delta
         except TimeoutError:
             raise DeadlineExceeded(f"request {request_id} passed its deadline") from None
-        except (ActorDiedError, ActorUnavailableError, RayActorError) as error:
-            node.healthy = False
-            logger.error("node %s failed during %s: %s", node.name, request_id, error)
-            raise EngineFailed(
+        except NODE_FAILURES as error:
+            self.mark_failed(node, type(error).__name__)
+            raise NodeFailed(
                 f"{self.name} node {node.name} failed: {type(error).__name__}"
             ) from None
         finally:
             node.outstanding -= 1
+            node.outstanding_prompt_tokens -= len(token_ids)
             if not finished:
                 ray.cancel(stream)
                 logger.info("request %s cancelled on %s", request_id, node.name)
+
+    # ---- membership ----------------------------------------------------------------------------
+
+    def start_watching(self, interval_s: float = 1.0) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(interval_s))
+
+    async def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
+
+    async def _watch(self, interval_s: float) -> None:
+        while True:
+            await asyncio.gather(*(self.refresh(node) for node in self.nodes))
+            await asyncio.sleep(interval_s)
+
+    async def refresh(self, node: Node) -> None:
+        """One health check: refresh stats, drop a failed node, restart a revived one."""
+        if node.restarting:
+            return
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                healthy = await node.handle.check_health.remote()
+                node.stats = await node.handle.stats.remote()
+        except Exception as error:  # timeout, dead actor, dead engine: out of the pool
+            self.mark_failed(node, f"health check: {type(error).__name__}")
+            return
+        if not healthy:  # Ray restarted the actor: it is up, but its engine is not built
+            node.restarting = True
+            asyncio.get_running_loop().create_task(self._restart(node))
+            return
+        if not node.healthy:
+            logger.info("%s node %s rejoined the pool", self.name, node.name)
+        node.healthy = True
+
+    async def _restart(self, node: Node) -> None:
+        logger.warning("%s node %s is back without an engine; starting it", self.name, node.name)
+        try:
+            node.info = await asyncio.wait_for(node.handle.start.remote(), 600)
+        except Exception as error:
+            self.mark_failed(node, f"restart: {type(error).__name__}")
+        finally:
+            node.restarting = False

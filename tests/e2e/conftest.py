@@ -25,9 +25,10 @@ class Server:
     process: subprocess.Popen
     log: Path
     model: str
+    grpc: str = ""
 
 
-def _wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> str:
+def _wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> dict:
     deadline = time.monotonic() + START_DEADLINE_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -35,7 +36,7 @@ def _wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> str:
                 f"pdserve serve exited with {process.returncode}:\n{log.read_text()[-5000:]}"
             )
         if ready.exists() and ready.read_text():
-            return json.loads(ready.read_text())["http"]
+            return json.loads(ready.read_text())
         time.sleep(0.2)
     raise TimeoutError(
         f"pdserve serve not ready in {START_DEADLINE_S} s:\n{log.read_text()[-5000:]}"
@@ -54,36 +55,81 @@ def stop_and_check_nothing_left(process: subprocess.Popen) -> list[str]:
     return leftovers
 
 
-@pytest.fixture(scope="session")
-def server(default_model_dir, tmp_path_factory) -> Server:
-    work = tmp_path_factory.mktemp("serve")
+def start_server(work: Path, *extra_args: str) -> Server:
+    """Run `pdserve serve` (real Ray, real vLLM engines, real HTTP on a free loopback port)."""
     ready, log = work / "ready.json", work / "serve.log"
     env = dict(os.environ, VLLM_RPC_BASE_PATH=str(work), PYTHONUNBUFFERED="1")
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+    ]
     with log.open("w") as out:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "serve",
-                "--port",
-                "0",
-                "--ready-file",
-                str(ready),
-            ],
+            [*command, *extra_args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
     try:
-        url = _wait_ready(process, ready, log)
+        urls = _wait_ready(process, ready, log)
     except BaseException:
         stop_and_check_nothing_left(process)
         raise
-    models = httpx.get(f"{url}/v1/models", timeout=10).json()
-    yield Server(url=url, process=process, log=log, model=models["data"][0]["id"])
-    if process.poll() is None:
-        leftovers = stop_and_check_nothing_left(process)
-        assert process.returncode == 0, log.read_text()[-3000:]
+    models = httpx.get(f"{urls['http']}/v1/models", timeout=10).json()
+    return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"])
+
+
+def finish_server(server: Server) -> None:
+    if server.process.poll() is None:
+        leftovers = stop_and_check_nothing_left(server.process)
+        assert server.process.returncode == 0, server.log.read_text()[-3000:]
         assert leftovers == [], f"processes left after SIGTERM: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def server(default_model_dir, tmp_path_factory) -> Server:
+    server = start_server(tmp_path_factory.mktemp("serve"))
+    yield server
+    finish_server(server)
+
+
+def offline_reference(model_dir: Path, work: Path, completions: list, chats: list) -> dict:
+    """Greedy outputs of plain vLLM's offline `LLM` for the same prompts, one at a time, with
+    the served engine's threads and binding (tests/helpers/offline_reference.py)."""
+    from tests.conftest import REPO
+
+    job = work / "job.json"
+    job.write_text(
+        json.dumps(
+            {
+                "model": str(model_dir),
+                "max_model_len": 2048,
+                "completions": completions,
+                "chats": chats,
+            }
+        )
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="2",
+        VLLM_CPU_OMP_THREADS_BIND="0-1",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_RPC_BASE_PATH=str(work),
+    )
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tests/helpers/offline_reference.py"), str(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO
-from tests.e2e.conftest import stop_and_check_nothing_left
+from tests.e2e.conftest import offline_reference, stop_and_check_nothing_left
 
 pytestmark = pytest.mark.e2e
 
@@ -96,34 +90,7 @@ def test_greedy_output_equals_offline_vllm(client, server, default_model_dir, tm
     chat = client.chat.completions.create(
         model=server.model, messages=CHAT, max_tokens=24, temperature=0
     )
-    job = tmp_path / "job.json"
-    job.write_text(
-        json.dumps(
-            {
-                "model": str(default_model_dir),
-                "max_model_len": 2048,
-                "completions": COMPLETIONS,
-                "chats": [[CHAT, 24]],
-            }
-        )
-    )
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="2",  # same threads and binding as the served engine
-        VLLM_CPU_OMP_THREADS_BIND="0-1",
-        VLLM_CPU_KVCACHE_SPACE="2",
-        VLLM_RPC_BASE_PATH=str(tmp_path),
-    )
-    run = subprocess.run(
-        [sys.executable, str(REPO / "tests/helpers/offline_reference.py"), str(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
-    reference = json.loads(line.removeprefix("RESULT "))
+    reference = offline_reference(default_model_dir, tmp_path, COMPLETIONS, [[CHAT, 24]])
     assert served == reference["completions"]
     assert chat.choices[0].message.content == reference["chats"][0]
 

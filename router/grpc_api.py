@@ -1,0 +1,119 @@
+"""gRPC API (proto/pdserve/v1/generate.proto): server-streaming `Generate`, standard health
+(grpc.health.v1) and server reflection, served by the router next to HTTP.
+
+A `GenerateRequest` is converted at this edge into the same OpenAI-shaped body the HTTP API
+validates (`Frontend.prepare`), so both APIs accept and reject exactly the same requests; errors
+map to gRPC status codes in one place (`STATUS_OF`). A cancelled call cancels the engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve_proto.v1 import generate_pb2 as pb
+from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
+from router.errors import RequestError, Unauthorized
+from router.openai_http import Handler, RouterState
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "pdserve.v1.Generation"
+STATUS_OF = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def _body(request: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
+    """The OpenAI-shaped body (and endpoint kind) equivalent to a GenerateRequest."""
+    options = request.sampling
+    body: dict[str, Any] = {"stream": True}
+    if request.model:
+        body["model"] = request.model
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if options.HasField(name):
+            body[name] = getattr(options, name)
+    if options.stop:
+        body["stop"] = list(options.stop)
+    if options.ignore_eos:
+        body["ignore_eos"] = True
+    which = request.WhichOneof("input")
+    if which == "chat":
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return "chat", body
+    if which == "token_ids":
+        body["prompt"] = list(request.token_ids.ids)
+    elif which == "text":
+        body["prompt"] = request.text
+    return "completion", body
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.handler = Handler(state)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            self._check_auth(context)
+            kind, body = _body(request)
+            prepared = self.state.frontend.prepare(kind, body)
+            self.handler.admit()
+        except RequestError as error:
+            await context.abort(
+                STATUS_OF.get(error.http_status, grpc.StatusCode.INTERNAL), error.message
+            )
+        completion = 0
+        try:
+            async for delta in self.handler.deltas(prepared):
+                completion += len(delta.token_ids)
+                reply = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+                if delta.finish_reason:
+                    reply.finish_reason = delta.finish_reason
+                    reply.usage.prompt_tokens = len(prepared.prompt_token_ids)
+                    reply.usage.completion_tokens = completion
+                yield reply
+        except RequestError as error:
+            await context.abort(
+                STATUS_OF.get(error.http_status, grpc.StatusCode.INTERNAL), error.message
+            )
+        finally:
+            self.state.outstanding -= 1
+
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.state.config.api_key
+        if not key:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {key}":
+            raise Unauthorized("missing or wrong API key (metadata `authorization: Bearer <key>`)")
+
+
+async def create_server(state: RouterState, address: str) -> tuple[grpc.aio.Server, int, Any]:
+    """Build and start the gRPC server; returns (server, bound port, health servicer)."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    await server.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for name in ("", SERVICE):
+        await health_servicer.set(name, serving)
+    logger.info("gRPC server listening on %s (port %d)", address, port)
+    return server, port, health_servicer

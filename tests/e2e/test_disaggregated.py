@@ -1,0 +1,190 @@
+"""Disaggregated serving end to end: `pdserve serve` 1P1D (real Ray, two real vLLM engines, KV over
+TCP), the openai client, and a prefill node killed under the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.conftest import finish_server, offline_reference, start_server
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+COMPLETIONS = [
+    ("The capital of France is", 24),
+    ("def fibonacci(n):", 40),
+    ("Once upon a time, in a small village by the sea,", 32),
+]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    server = start_server(
+        tmp_path_factory.mktemp("serve-1p1d"),
+        "--config",
+        str(REPO / "deploy/config/local-cpu-1p1d.yaml"),
+    )
+    yield server
+    finish_server(server)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def test_health_shows_both_pools(server):
+    body = health(server)
+    assert body["status"] == "ok" and body["mode"] == "disaggregated"
+    assert body["pools"]["prefill"]["healthy"] == 1 and body["pools"]["decode"]["healthy"] == 1
+
+
+def test_completions_and_chat_streamed_and_not(client, server):
+    plain = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert "Paris" in plain.choices[0].text
+    assert plain.usage.prompt_tokens == 5 and plain.usage.completion_tokens == 8
+    stream = client.completions.create(
+        model=server.model,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == plain.choices[0].text
+    chat = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=16, temperature=0
+    )
+    assert "Paris" in chat.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=CHAT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        chat.choices[0].message.content
+    )
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_max_tokens_one_is_served_by_the_prefill_node_alone(client, server):
+    one = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=1, temperature=0
+    )
+    assert one.choices[0].text == " Paris" and one.usage.completion_tokens == 1
+
+
+def test_greedy_output_equals_plain_vllm(client, server, default_model_dir, tmp_path):
+    served = [
+        client.completions.create(model=server.model, prompt=p, max_tokens=n, temperature=0)
+        .choices[0]
+        .text
+        for p, n in COMPLETIONS
+    ]
+    chat = client.chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=24, temperature=0
+    )
+    reference = offline_reference(default_model_dir, tmp_path, COMPLETIONS, [[CHAT, 24]])
+    assert served == reference["completions"]
+    assert chat.choices[0].message.content == reference["chats"][0]
+
+
+def test_prefill_node_killed_falls_back_then_rejoins(client, server):
+    """SIGKILL the prefill node's process: requests keep succeeding (prefill on the decode node),
+    and the node, restarted by Ray, rejoins its pool."""
+    pid = health(server)["pools"]["prefill"]["nodes"][0]["pid"]
+    expected = (
+        client.completions.create(
+            model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while health(server)["pools"]["prefill"]["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert health(server)["pools"]["prefill"]["healthy"] == 0
+    again = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert again.choices[0].text == expected
+    deadline = time.monotonic() + 240
+    while not health(server)["pools"]["prefill"]["healthy"] and time.monotonic() < deadline:
+        time.sleep(1)
+    body = health(server)
+    assert body["pools"]["prefill"]["healthy"] == 1, body
+    assert body["pools"]["prefill"]["nodes"][0]["pid"] != pid
+    after = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert after.choices[0].text == expected
+
+
+def test_grpc_generate_streams_health_and_reflection(server):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from pdserve_proto.v1 import generate_pb2 as pb
+    from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(
+            text="The capital of France is",
+            sampling=pb.SamplingOptions(max_tokens=8, temperature=0),
+        )
+        chunks = list(stub.Generate(request, timeout=120))
+        assert len(chunks) >= 2
+        assert "Paris" in "".join(c.text for c in chunks)
+        assert chunks[-1].finish_reason == "length"
+        assert chunks[-1].usage.prompt_tokens == 5 and chunks[-1].usage.completion_tokens == 8
+        assert sum(len(c.token_ids) for c in chunks) == 8
+
+        chat = pb.GenerateRequest(
+            chat=pb.ChatMessages(
+                messages=[pb.ChatMessage(role="user", content=CHAT[0]["content"])]
+            ),
+            sampling=pb.SamplingOptions(max_tokens=16, temperature=0),
+        )
+        assert "Paris" in "".join(c.text for c in stub.Generate(chat, timeout=120))
+
+        bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=5000))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(bad, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_model_len" in refused.value.details()
+        unknown = pb.GenerateRequest(model="gpt-9", text="hi")
+        with pytest.raises(grpc.RpcError) as missing:
+            list(stub.Generate(unknown, timeout=60))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=10
+        )
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        services = {s.name for a in answers for s in a.list_services_response.service}
+        assert "pdserve.v1.Generation" in services and "grpc.health.v1.Health" in services
