@@ -129,7 +129,7 @@ class RayConfig(_Strict):
 class PDServeConfig(_Strict):
     model: str = DEFAULT_MODEL
     """A local Hugging Face model folder, or "default" for the embedded SmolLM2-135M-Instruct."""
-    mode: Literal["colocated", "disaggregated"] = "colocated"
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
     """`colocated`: each engine does prefill and decode. `disaggregated`: separate pools."""
     engine: EngineConfig = EngineConfig()
     pools: PoolsConfig = PoolsConfig()

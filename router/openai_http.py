@@ -191,6 +191,21 @@ class Handler:
         yield "data: [DONE]\n\n"
 
 
+def _node_view(node) -> dict:
+    """What /health says of one node: health, process, and its last reported load."""
+    stats = node.stats or {}
+    return {
+        "name": node.name,
+        "healthy": node.healthy,
+        "pid": node.info.get("pid"),
+        "outstanding": node.outstanding,
+        "running": stats.get("running", 0),
+        "waiting": stats.get("waiting", 0),
+        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+        "kv_blocks_held": stats.get("kv", {}).get("gauges", {}).get("blocks_held", 0),
+    }
+
+
 def create_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
     handler = Handler(state)
@@ -204,10 +219,7 @@ def create_app(state: RouterState) -> FastAPI:
         pools = {
             name: {
                 "healthy": len(pool.healthy_nodes()),
-                "nodes": [
-                    {"name": n.name, "healthy": n.healthy, "pid": n.info.get("pid")}
-                    for n in pool.nodes
-                ],
+                "nodes": [_node_view(n) for n in pool.nodes],
             }
             for name, pool in state.dispatcher.pools.items()
         }
@@ -216,7 +228,14 @@ def create_app(state: RouterState) -> FastAPI:
         except PoolUnavailable as error:
             body = {"status": "unavailable", "reason": error.message, "pools": pools}
             return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "mode": state.dispatcher.mode, "pools": pools})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "mode": state.dispatcher.mode,
+                "outstanding": state.outstanding,
+                "pools": pools,
+            }
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -55,7 +55,7 @@ def stop_and_check_nothing_left(process: subprocess.Popen) -> list[str]:
     return leftovers
 
 
-def start_server(work: Path, *extra_args: str) -> Server:
+def start_server(work: Path, *extra_args: str, api_key: str | None = None) -> Server:
     """Run `pdserve serve` (real Ray, real vLLM engines, real HTTP on a free loopback port)."""
     ready, log = work / "ready.json", work / "serve.log"
     env = dict(os.environ, VLLM_RPC_BASE_PATH=str(work), PYTHONUNBUFFERED="1")
@@ -82,7 +82,8 @@ def start_server(work: Path, *extra_args: str) -> Server:
     except BaseException:
         stop_and_check_nothing_left(process)
         raise
-    models = httpx.get(f"{urls['http']}/v1/models", timeout=10).json()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = httpx.get(f"{urls['http']}/v1/models", timeout=10, headers=headers).json()
     return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"])
 
 
@@ -95,7 +96,10 @@ def finish_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server(default_model_dir, tmp_path_factory) -> Server:
-    server = start_server(tmp_path_factory.mktemp("serve"))
+    from tests.conftest import REPO
+
+    config = REPO / "deploy/config/local-cpu-colocated.yaml"
+    server = start_server(tmp_path_factory.mktemp("serve"), "--config", str(config))
     yield server
     finish_server(server)
 

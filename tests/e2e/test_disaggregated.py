@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO
 from tests.e2e.conftest import finish_server, offline_reference, start_server
 
 pytestmark = pytest.mark.e2e
@@ -24,20 +23,29 @@ COMPLETIONS = [
 ]
 
 
+API_KEY = "test-key"
+MAX_OUTSTANDING = 4
+
+
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    server = start_server(
-        tmp_path_factory.mktemp("serve-1p1d"),
-        "--config",
-        str(REPO / "deploy/config/local-cpu-1p1d.yaml"),
+    """The default configuration (1P1D) plus an API key and a small admission limit."""
+    work = tmp_path_factory.mktemp("serve-1p1d")
+    config = work / "pdserve.yaml"
+    config.write_text(
+        f"router: {{api_key: {API_KEY}, max_outstanding_requests: {MAX_OUTSTANDING}}}\n"
     )
+    server = start_server(work, "--config", str(config), api_key=API_KEY)
     yield server
     finish_server(server)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=120)
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def health(server) -> dict:
@@ -152,7 +160,11 @@ def test_grpc_generate_streams_health_and_reflection(server):
             text="The capital of France is",
             sampling=pb.SamplingOptions(max_tokens=8, temperature=0),
         )
-        chunks = list(stub.Generate(request, timeout=120))
+        auth = (("authorization", f"Bearer {API_KEY}"),)
+        with pytest.raises(grpc.RpcError) as denied:
+            list(stub.Generate(request, timeout=60))
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        chunks = list(stub.Generate(request, timeout=120, metadata=auth))
         assert len(chunks) >= 2
         assert "Paris" in "".join(c.text for c in chunks)
         assert chunks[-1].finish_reason == "length"
@@ -165,16 +177,16 @@ def test_grpc_generate_streams_health_and_reflection(server):
             ),
             sampling=pb.SamplingOptions(max_tokens=16, temperature=0),
         )
-        assert "Paris" in "".join(c.text for c in stub.Generate(chat, timeout=120))
+        assert "Paris" in "".join(c.text for c in stub.Generate(chat, timeout=120, metadata=auth))
 
         bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=5000))
         with pytest.raises(grpc.RpcError) as refused:
-            list(stub.Generate(bad, timeout=60))
+            list(stub.Generate(bad, timeout=60, metadata=auth))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_model_len" in refused.value.details()
         unknown = pb.GenerateRequest(model="gpt-9", text="hi")
         with pytest.raises(grpc.RpcError) as missing:
-            list(stub.Generate(unknown, timeout=60))
+            list(stub.Generate(unknown, timeout=60, metadata=auth))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
         status = health_pb2_grpc.HealthStub(channel).Check(
@@ -188,3 +200,72 @@ def test_grpc_generate_streams_health_and_reflection(server):
         )
         services = {s.name for a in answers for s in a.list_services_response.service}
         assert "pdserve.v1.Generation" in services and "grpc.health.v1.Health" in services
+
+
+def test_api_key_is_required(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    denied = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+    wrong = httpx.post(
+        f"{server.url}/v1/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": "Bearer nope"},
+    )
+    assert wrong.status_code == 401
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=60, headers=AUTH).status_code
+        == 200
+    )
+
+
+def node(server, pool: str) -> dict:
+    return health(server)["pools"][pool]["nodes"][0]
+
+
+def test_a_full_router_answers_429_and_a_disconnect_aborts_on_the_nodes(server):
+    """Hold MAX_OUTSTANDING long streams open: the next request gets 429 with Retry-After.
+    Then drop the streams: the decode node stops running them (aborted, blocks freed)."""
+    body = {
+        "prompt": "Write a very long story about the sea.",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    clients = [httpx.Client(timeout=60) for _ in range(MAX_OUTSTANDING)]
+    streams = []
+    try:
+        for c in clients:
+            stream = c.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH)
+            response = stream.__enter__()
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept: dropping it would close the response
+            next(lines)  # a first event: the request is in flight
+            streams.append((stream, lines))
+        full = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert full.status_code == 429
+        assert full.headers["retry-after"] and "retry later" in full.json()["error"]["message"]
+
+        deadline = time.monotonic() + 30
+        while node(server, "decode")["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert node(server, "decode")["running"] >= 1
+    finally:
+        for stream, _ in streams:
+            stream.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    deadline = time.monotonic() + 30  # a 1500-token stream would run for a minute or more
+    while (node(server, "decode")["running"] or node(server, "decode")["outstanding"]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert node(server, "decode")["running"] == 0 and node(server, "decode")["outstanding"] == 0
+    assert node(server, "decode")["kv_cache_usage"] == 0.0
+    ok = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert ok.status_code == 200
