@@ -32,7 +32,11 @@ def test_every_example_config_under_deploy_is_valid():
             "'recompute'",
         ),
         ({"model": "/no/such/folder"}, "model", "not a local model folder"),
-        ({"pools": {"colocated": {"replicas": 0}}}, "(top level)", "colocated.replicas >= 1"),
+        (
+            {"mode": "colocated", "pools": {"colocated": {"replicas": 0}}},
+            "(top level)",
+            "colocated.replicas >= 1",
+        ),
         ({"mode": "disaggregated", "pools": {"decode": {"replicas": 0}}}, "(top level)", "decode"),
     ],
 )
