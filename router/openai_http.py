@@ -30,8 +30,11 @@ from router.errors import (
     error_body,
 )
 from router.frontend import Frontend, PreparedRequest
+from router.pools import NodeFailed
 
 logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
 
 
 @dataclass
@@ -158,16 +161,41 @@ class Handler:
             )
         self.state.outstanding += 1
 
-    def deltas(self, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
+    async def deltas(self, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
+        """The request's deltas; if a node dies before anything was yielded, the whole request
+        runs again (the dispatcher already retried its own leg; this covers a decode node that
+        died after the prefill, before the client saw a token)."""
         deadline = prepared.arrival + self.state.config.request_timeout_s
-        return self.state.dispatcher.deltas(prepared, deadline)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            yielded = False
+            try:
+                async for delta in self.state.dispatcher.deltas(prepared, deadline):
+                    yielded = True
+                    yield delta
+                return
+            except NodeFailed:
+                if yielded or attempt == MAX_ATTEMPTS:
+                    raise
+                logger.warning(
+                    "%s: node failed before any output; attempt %d",
+                    prepared.request_id,
+                    attempt + 1,
+                )
 
     async def complete(self, prepared: PreparedRequest) -> JSONResponse:
+        """Non-streamed: the client sees nothing until the end, so a node failure at any point
+        is retried (up to MAX_ATTEMPTS) before it becomes an error."""
         try:
-            got = _Collected()
-            async for delta in self.deltas(prepared):
-                got.add(delta)
-            return JSONResponse(_full_response(self.state, prepared, got))
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                got = _Collected()
+                try:
+                    async for delta in self.deltas(prepared):
+                        got.add(delta)
+                    return JSONResponse(_full_response(self.state, prepared, got))
+                except NodeFailed:
+                    if attempt == MAX_ATTEMPTS:
+                        raise
+                    logger.warning("%s: node failed; running it again", prepared.request_id)
         finally:
             self.state.outstanding -= 1
 
