@@ -11,30 +11,10 @@ continues from the first token. If the pull fails, `kv_transfer.failure_policy` 
 from __future__ import annotations
 
 from pdserve.config import PDServeConfig
-from pdserve.engine import create_engine_actor
-from pdserve.kv import vllm_kv_transfer_config
+from pdserve.engine import create_pool_node
 
 
 def create_decode_node(
     config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
 ):
-    kv = config.kv_transfer
-    return create_engine_actor(
-        f"pdserve-decode-{replica}",
-        model_dir,
-        served,
-        config.engine,
-        config.pools.decode,
-        replica,
-        max_restarts=config.pools.decode.max_restarts,
-        kv_transfer=vllm_kv_transfer_config(
-            "kv_consumer",
-            secret,
-            kv.transport,
-            kv.failure_policy,
-            kv.host,
-            0,
-            kv.lease_s,
-            kv.timeout_s,
-        ),
-    )
+    return create_pool_node(config, "decode", "kv_consumer", model_dir, served, replica, secret)

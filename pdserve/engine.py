@@ -177,6 +177,7 @@ class EngineActor:
         info = {
             "name": self._name,
             "pid": os.getpid(),
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
             "max_model_len": vllm_config.model_config.max_model_len,
             "block_size": vllm_config.cache_config.block_size,
             "start_s": round(time.monotonic() - started, 2),
@@ -257,3 +258,40 @@ def create_engine_actor(
         max_concurrency=1000,
         runtime_env={"env_vars": engine_env(engine, pool, replica)},
     ).remote(name, engine_kwargs(model, engine, served_name, kv_transfer))
+
+
+def create_pool_node(
+    config: Any,
+    pool_name: str,
+    kv_role: str,
+    model_dir: str,
+    served: str,
+    replica: int,
+    secret: str,
+):
+    """One node of a disaggregated pool: an engine actor whose vLLM loads pdserve's KV connector
+    in `kv_role`, with the pool's resources and restart budget (`config`: PDServeConfig)."""
+    from pdserve.kv import vllm_kv_transfer_config
+
+    kv, pool = config.kv_transfer, getattr(config.pools, pool_name)
+    serves_kv = kv_role == "kv_producer"
+    port = kv.port + replica if kv.port and serves_kv else 0
+    return create_engine_actor(
+        f"pdserve-{pool_name}-{replica}",
+        model_dir,
+        served,
+        config.engine,
+        pool,
+        replica,
+        max_restarts=pool.max_restarts,
+        kv_transfer=vllm_kv_transfer_config(
+            kv_role,
+            secret,
+            kv.transport,
+            kv.failure_policy,
+            kv.host,
+            port,
+            kv.lease_s,
+            kv.timeout_s,
+        ),
+    )

@@ -10,31 +10,10 @@ the blocks, and the producer frees them on its confirmation or when the lease en
 from __future__ import annotations
 
 from pdserve.config import PDServeConfig
-from pdserve.engine import create_engine_actor
-from pdserve.kv import vllm_kv_transfer_config
+from pdserve.engine import create_pool_node
 
 
 def create_prefill_node(
     config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
 ):
-    kv = config.kv_transfer
-    port = kv.port + replica if kv.port else 0
-    return create_engine_actor(
-        f"pdserve-prefill-{replica}",
-        model_dir,
-        served,
-        config.engine,
-        config.pools.prefill,
-        replica,
-        max_restarts=config.pools.prefill.max_restarts,
-        kv_transfer=vllm_kv_transfer_config(
-            "kv_producer",
-            secret,
-            kv.transport,
-            kv.failure_policy,
-            kv.host,
-            port,
-            kv.lease_s,
-            kv.timeout_s,
-        ),
-    )
+    return create_pool_node(config, "prefill", "kv_producer", model_dir, served, replica, secret)

@@ -226,6 +226,8 @@ def _node_view(node) -> dict:
         "name": node.name,
         "healthy": node.healthy,
         "pid": node.info.get("pid"),
+        "ray_node_id": node.info.get("ray_node_id"),
+        "requests_total": stats.get("requests_started_total", 0),
         "outstanding": node.outstanding,
         "running": stats.get("running", 0),
         "waiting": stats.get("waiting", 0),

@@ -137,3 +137,58 @@ def offline_reference(model_dir: Path, work: Path, completions: list, chats: lis
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+COMPLETIONS = [
+    ("The capital of France is", 24),
+    ("def fibonacci(n):", 40),
+    ("Once upon a time, in a small village by the sea,", 32),
+]
+
+
+def assert_greedy_matches_plain_vllm(client, model: str, model_dir: Path, work: Path) -> None:
+    """The served greedy output equals plain vLLM's offline one, each prompt alone on both sides
+    (bf16 greedy output on this CPU depends on batch composition)."""
+    served = [
+        client.completions.create(model=model, prompt=p, max_tokens=n, temperature=0)
+        .choices[0]
+        .text
+        for p, n in COMPLETIONS
+    ]
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0)
+    reference = offline_reference(model_dir, work, COMPLETIONS, [[CHAT, 24]])
+    assert served == reference["completions"]
+    assert chat.choices[0].message.content == reference["chats"][0]
+
+
+# (path, JSON body, raw bytes instead of JSON, expected status, words the message must contain)
+BAD_REQUESTS = [
+    ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", [1, 2], None, 400, "JSON object"),
+    ("/v1/completions", {"max_tokens": 3}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi " * 2100}, None, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, None, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "gpt-9"),
+    ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("/v1/chat/completions", {"model": "x", "messages": CHAT}, None, 404, "does not exist"),
+]
+
+
+def assert_rejected(server, path, body, raw, status, says, headers=None) -> None:
+    headers = dict(headers or {})
+    if raw:
+        headers["content-type"] = "application/json"
+        response = httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=30)
+    else:
+        response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert says in error["message"]
+    assert error["code"] == status

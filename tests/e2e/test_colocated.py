@@ -6,16 +6,15 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import offline_reference, stop_and_check_nothing_left
+from tests.e2e.conftest import (
+    BAD_REQUESTS,
+    CHAT,
+    assert_greedy_matches_plain_vllm,
+    assert_rejected,
+    stop_and_check_nothing_left,
+)
 
 pytestmark = pytest.mark.e2e
-
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-COMPLETIONS = [
-    ("The capital of France is", 24),
-    ("def fibonacci(n):", 40),
-    ("Once upon a time, in a small village by the sea,", 32),
-]
 
 
 @pytest.fixture(scope="module")
@@ -80,53 +79,12 @@ def test_raw_stream_ends_with_done(server):
 
 
 def test_greedy_output_equals_offline_vllm(client, server, default_model_dir, tmp_path):
-    """Each prompt alone on both sides (bf16 greedy depends on batch composition on this CPU)."""
-    served = [
-        client.completions.create(model=server.model, prompt=p, max_tokens=n, temperature=0)
-        .choices[0]
-        .text
-        for p, n in COMPLETIONS
-    ]
-    chat = client.chat.completions.create(
-        model=server.model, messages=CHAT, max_tokens=24, temperature=0
-    )
-    reference = offline_reference(default_model_dir, tmp_path, COMPLETIONS, [[CHAT, 24]])
-    assert served == reference["completions"]
-    assert chat.choices[0].message.content == reference["chats"][0]
+    assert_greedy_matches_plain_vllm(client, server.model, default_model_dir, tmp_path)
 
 
-def _post(server, path, body, raw=None):
-    kwargs = (
-        {"content": raw, "headers": {"content-type": "application/json"}} if raw else {"json": body}
-    )
-    return httpx.post(f"{server.url}{path}", timeout=30, **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("path", "body", "raw", "status", "says"),
-    [
-        ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
-        ("/v1/completions", [1, 2], None, 400, "JSON object"),
-        ("/v1/completions", {"max_tokens": 3}, None, 400, "prompt"),
-        ("/v1/completions", {"prompt": 5}, None, 400, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens must be"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi " * 2100}, None, 400, "max_model_len"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, None, 400, "max_model_len"),
-        ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature"),
-        ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "gpt-9"),
-        ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
-        ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
-        ("/v1/chat/completions", {"model": "x", "messages": CHAT}, None, 404, "does not exist"),
-    ],
-)
+@pytest.mark.parametrize(("path", "body", "raw", "status", "says"), BAD_REQUESTS)
 def test_bad_requests_get_clear_4xx(server, path, body, raw, status, says):
-    response = _post(server, path, body, raw)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert says in error["message"]
-    assert error["code"] == status
+    assert_rejected(server, path, body, raw, status, says)
 
 
 def test_health_and_models(server):

@@ -3,6 +3,7 @@ TCP), the openai client, and a prefill node killed under the router."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -11,16 +12,16 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import finish_server, offline_reference, start_server
+from tests.e2e.conftest import (
+    BAD_REQUESTS,
+    CHAT,
+    assert_greedy_matches_plain_vllm,
+    assert_rejected,
+    finish_server,
+    start_server,
+)
 
 pytestmark = pytest.mark.e2e
-
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-COMPLETIONS = [
-    ("The capital of France is", 24),
-    ("def fibonacci(n):", 40),
-    ("Once upon a time, in a small village by the sea,", 32),
-]
 
 
 API_KEY = "test-key"
@@ -38,6 +39,13 @@ def server(default_model_dir, tmp_path_factory):
     server = start_server(work, "--config", str(config), api_key=API_KEY)
     yield server
     finish_server(server)
+
+
+@pytest.fixture(scope="module")
+def corpus_text() -> str:
+    from tests.conftest import REPO
+
+    return (REPO / "README.md").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -100,23 +108,13 @@ def test_max_tokens_one_is_served_by_the_prefill_node_alone(client, server):
 
 
 def test_greedy_output_equals_plain_vllm(client, server, default_model_dir, tmp_path):
-    served = [
-        client.completions.create(model=server.model, prompt=p, max_tokens=n, temperature=0)
-        .choices[0]
-        .text
-        for p, n in COMPLETIONS
-    ]
-    chat = client.chat.completions.create(
-        model=server.model, messages=CHAT, max_tokens=24, temperature=0
-    )
-    reference = offline_reference(default_model_dir, tmp_path, COMPLETIONS, [[CHAT, 24]])
-    assert served == reference["completions"]
-    assert chat.choices[0].message.content == reference["chats"][0]
+    assert_greedy_matches_plain_vllm(client, server.model, default_model_dir, tmp_path)
 
 
-def test_prefill_node_killed_falls_back_then_rejoins(client, server):
-    """SIGKILL the prefill node's process: requests keep succeeding (prefill on the decode node),
-    and the node, restarted by Ray, rejoins its pool."""
+def test_prefill_node_killed_falls_back_then_rejoins(client, server, corpus_text):
+    """SIGKILL the prefill node's process while long prompts are being prefilled: every request
+    completes (retried, then prefilled on the decode node) or ends with an explicit error; none
+    hangs; Ray restarts the node and it rejoins its pool."""
     pid = health(server)["pools"]["prefill"]["nodes"][0]["pid"]
     expected = (
         client.completions.create(
@@ -125,11 +123,31 @@ def test_prefill_node_killed_falls_back_then_rejoins(client, server):
         .choices[0]
         .text
     )
-    os.kill(pid, signal.SIGKILL)
+
+    def ask(i: int):
+        try:
+            answer = client.completions.create(
+                model=server.model, prompt=corpus_text[i * 300 : i * 300 + 6000], max_tokens=4
+            )
+            return "completed" if answer.usage.completion_tokens == 4 else "short"
+        except openai.APIStatusError as error:  # an explicit error, not a hang
+            return f"error {error.status_code}: {error.message}"
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(ask, i) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while node(server, "prefill")["outstanding"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        outcomes = [f.result(timeout=240) for f in futures]
+    assert all(o == "completed" or o.startswith("error") for o in outcomes), outcomes
     deadline = time.monotonic() + 30
-    while health(server)["pools"]["prefill"]["healthy"] and time.monotonic() < deadline:
+    while (
+        health(server)["pools"]["prefill"]["nodes"][0]["pid"] == pid
+        and (health(server)["pools"]["prefill"]["healthy"])
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
-    assert health(server)["pools"]["prefill"]["healthy"] == 0
     again = client.completions.create(
         model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
     )
@@ -184,6 +202,11 @@ def test_grpc_generate_streams_health_and_reflection(server):
             list(stub.Generate(bad, timeout=60, metadata=auth))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_model_len" in refused.value.details()
+        zero = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=0))
+        with pytest.raises(grpc.RpcError) as empty:
+            list(stub.Generate(zero, timeout=60, metadata=auth))
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_tokens" in empty.value.details()
         unknown = pb.GenerateRequest(model="gpt-9", text="hi")
         with pytest.raises(grpc.RpcError) as missing:
             list(stub.Generate(unknown, timeout=60, metadata=auth))
@@ -269,3 +292,55 @@ def test_a_full_router_answers_429_and_a_disconnect_aborts_on_the_nodes(server):
         timeout=60,
     )
     assert ok.status_code == 200
+
+
+def test_decode_node_killed_with_requests_in_flight(server):
+    """Every in-flight stream completes or ends with an explicit error event; none hangs; the
+    decode node comes back and serves again."""
+    body = {
+        "prompt": "Tell me about the sea.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    pid = node(server, "decode")["pid"]
+    outcomes: list[str] = []
+
+    def stream_one(_):
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120
+        ) as response:
+            events = [line for line in response.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        errors = [e for e in events if e.startswith('data: {"error"')]
+        return "error: " + errors[0] if errors else "completed"
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(stream_one, i) for i in range(3)]
+        deadline = time.monotonic() + 60
+        while node(server, "decode")["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        outcomes = [f.result(timeout=150) for f in futures]
+    assert len(outcomes) == 3
+    for outcome in outcomes:
+        assert outcome == "completed" or "decode" in outcome, outcome  # says which pool failed
+    assert any(outcome != "completed" for outcome in outcomes)
+    deadline = time.monotonic() + 240
+    while not health(server)["pools"]["decode"]["healthy"] and time.monotonic() < deadline:
+        time.sleep(1)
+    assert node(server, "decode")["healthy"] and node(server, "decode")["pid"] != pid
+    ok = httpx.post(
+        f"{server.url}/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    )
+    assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["text"]
+
+
+def test_bad_http_input_is_refused_and_the_router_keeps_serving(server, client):
+    for path, body, raw, status, says in BAD_REQUESTS:
+        assert_rejected(server, path, body, raw, status, says, headers=AUTH)
+    ok = client.completions.create(model=server.model, prompt="Hello", max_tokens=3)
+    assert ok.usage.completion_tokens == 3
