@@ -29,7 +29,10 @@ from router.policies import RoutingPolicy, make_policy
 logger = logging.getLogger(__name__)
 
 NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
-HEALTH_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 10.0
+MISSED_CHECKS_TO_EVICT = 3
+"""A node busy enough to miss a health check is not dead: it leaves its pool after this many
+missed checks in a row, or at once when Ray says the actor died."""
 
 
 class NodeFailed(EngineFailed):
@@ -46,6 +49,7 @@ class Node:
     outstanding_prompt_tokens: int = 0
     stats: dict = field(default_factory=dict)
     restarting: bool = False
+    missed_checks: int = 0
 
 
 class Pool:
@@ -126,9 +130,22 @@ class Pool:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 healthy = await node.handle.check_health.remote()
                 node.stats = await node.handle.stats.remote()
-        except Exception as error:  # timeout, dead actor, dead engine: out of the pool
+        except NODE_FAILURES as error:  # the actor died or is restarting: out of the pool now
             self.mark_failed(node, f"health check: {type(error).__name__}")
             return
+        except Exception as error:  # a timeout or a failing engine: out after repeated misses
+            node.missed_checks += 1
+            logger.warning(
+                "%s node %s missed a health check (%d in a row): %s",
+                self.name,
+                node.name,
+                node.missed_checks,
+                type(error).__name__,
+            )
+            if node.missed_checks >= MISSED_CHECKS_TO_EVICT:
+                self.mark_failed(node, f"{node.missed_checks} missed health checks")
+            return
+        node.missed_checks = 0
         if not healthy:  # Ray restarted the actor: it is up, but its engine is not built
             node.restarting = True
             asyncio.get_running_loop().create_task(self._restart(node))

@@ -56,6 +56,18 @@ def client(server):
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+@pytest.fixture(autouse=True)
+def all_nodes_healthy(server):
+    """Each test starts with every node in its pool (kill tests leave a node restarting)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        pools = health(server)["pools"]
+        if all(p["healthy"] == len(p["nodes"]) for p in pools.values()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"nodes did not all rejoin: {health(server)}")
+
+
 def health(server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=10).json()
 
