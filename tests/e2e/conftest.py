@@ -66,6 +66,8 @@ def start_server(work: Path, *extra_args: str, api_key: str | None = None) -> Se
         "serve",
         "--port",
         "0",
+        "--grpc-port",
+        "0",
         "--ready-file",
         str(ready),
     ]
@@ -79,12 +81,12 @@ def start_server(work: Path, *extra_args: str, api_key: str | None = None) -> Se
         )
     try:
         urls = _wait_ready(process, ready, log)
-    except BaseException:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        models = httpx.get(f"{urls['http']}/v1/models", timeout=10, headers=headers).json()
+        return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"])
+    except BaseException:  # never leave a server behind (it would hold its ports)
         stop_and_check_nothing_left(process)
         raise
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    models = httpx.get(f"{urls['http']}/v1/models", timeout=10, headers=headers).json()
-    return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"])
 
 
 def finish_server(server: Server) -> None:
