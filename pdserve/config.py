@@ -46,6 +46,12 @@ class EngineConfig(_Strict):
     """CPU only: OMP_NUM_THREADS per engine. None: the node's CPU share."""
     seed: int = 0
     """Sampling seed for engines (greedy output does not depend on it)."""
+    peak_flops: float | None = Field(None, gt=0)
+    """Each node's peak FLOP/s, the denominator of its compute utilization. None: the catalog
+    entry for `device` (or the detected GPU); on a CPU, measured when the engine starts."""
+    peak_mem_bandwidth: float | None = Field(None, gt=0)
+    """Each node's peak memory bytes/s, the denominator of its bandwidth utilization (same
+    fallbacks as `peak_flops`)."""
 
     @field_validator("device")
     @classmethod
@@ -108,7 +114,8 @@ class KVTransferConfig(_Strict):
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = "127.0.0.1"
-    """Address each prefill node's KV server binds to."""
+    """Address each prefill node's KV server binds to. "0.0.0.0" on a multi-host cluster: decode
+    nodes are then told the prefill host's Ray node address."""
     port: int = Field(0, ge=0, le=65535)
     """First port of the KV servers (0: pick free ports)."""
     secret: str | None = None

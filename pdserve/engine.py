@@ -19,13 +19,14 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from pdserve.config import EngineConfig, PoolConfig
-from pdserve.kv.stats import KVStatsTotals
+from pdserve.engine_stats import EngineStats, GpuSampler, StatsCollector, stat_logger_factory
+from pdserve.roofline.live import resolve_peaks
 
 logger = logging.getLogger(__name__)
 
@@ -51,53 +52,6 @@ class TokenDelta:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
-
-
-@dataclass
-class EngineStats:
-    """A node's live load, as the router's policies and the metrics see it."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prompt_tokens_total: int = 0
-    prompt_tokens_computed_total: int = 0
-    prompt_tokens_transferred_total: int = 0
-    prompt_tokens_cached_total: int = 0
-    generation_tokens_total: int = 0
-    requests_started_total: int = 0
-    requests_finished_total: int = 0
-    engine_steps_total: int = 0
-    kv: KVStatsTotals = field(default_factory=KVStatsTotals)
-
-
-def _stats_logger_factory(stats: EngineStats):
-    """A vLLM stat logger that folds every engine step's stats into `stats` (same process)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class _Collector(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            pass
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            if scheduler_stats is not None:
-                stats.running = scheduler_stats.num_running_reqs
-                stats.waiting = scheduler_stats.num_waiting_reqs
-                stats.kv_cache_usage = scheduler_stats.kv_cache_usage
-                stats.engine_steps_total += 1
-                stats.kv.observe(scheduler_stats.kv_connector_stats)
-            if iteration_stats is not None:
-                prompt = iteration_stats.prompt_token_stats
-                stats.prompt_tokens_total += prompt.total
-                stats.prompt_tokens_computed_total += prompt.computed
-                stats.prompt_tokens_transferred_total += prompt.external_kv_transfer
-                stats.prompt_tokens_cached_total += prompt.local_cache_hit
-                stats.generation_tokens_total += iteration_stats.num_generation_tokens
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return _Collector
 
 
 def _pulls_kv(sampling_params: Any) -> bool:
@@ -141,6 +95,7 @@ def engine_kwargs(
         enable_prefix_caching=engine.enable_prefix_caching,
         seed=engine.seed,
         gpu_memory_utilization=engine.gpu_memory_utilization,
+        enable_logging_iteration_details=True,  # per-step tokens and time for the utilization
     )
     if engine.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
@@ -149,14 +104,27 @@ def engine_kwargs(
     return kwargs
 
 
+def _advertised(kv_transfer: dict[str, Any]) -> dict[str, Any]:
+    """A KV server bound to every interface tells decode nodes this host's cluster address."""
+    extra = dict(kv_transfer.get("kv_connector_extra_config") or {})
+    if extra.get("host") in ("0.0.0.0", "::") and not extra.get("advertise_host"):
+        extra["advertise_host"] = ray.util.get_node_ip_address()
+    return {**kv_transfer, "kv_connector_extra_config": extra}
+
+
 class EngineActor:
     """Ray actor body (wrapped by `ray.remote` in `create_engine_actor`)."""
 
-    def __init__(self, name: str, engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self, name: str, engine_args: dict[str, Any], peaks: dict[str, Any] | None = None
+    ) -> None:
         self._name = name
         self._engine_args = engine_args
+        self._peaks = peaks or {}
         self._engine = None
         self._stats = EngineStats()
+        self._collector = StatsCollector(self._stats)
+        self._gpu: GpuSampler | None = None
 
     async def start(self) -> dict[str, Any]:
         """Build the vLLM engine; returns what the router needs to know about it."""
@@ -168,12 +136,16 @@ class EngineActor:
         if kwargs.get("kv_transfer_config"):
             from vllm.config import KVTransferConfig
 
-            kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+            kv_transfer = _advertised(kwargs["kv_transfer_config"])
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
         args = AsyncEngineArgs(**kwargs)
+        # vLLM's default logging stat logger would log every step (iteration details are on)
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         self._engine = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stats_logger_factory(self._stats)]
+            args, stat_loggers=[stat_logger_factory(self._collector)]
         )
         vllm_config = self._engine.vllm_config
+        self._start_utilization(vllm_config)
         info = {
             "name": self._name,
             "pid": os.getpid(),
@@ -185,15 +157,32 @@ class EngineActor:
         logger.info("engine %s ready in %.1f s", self._name, info["start_s"])
         return info
 
+    def _start_utilization(self, vllm_config: Any) -> None:
+        """Give the stats collector the model's shapes and this node's device peaks."""
+        from pdserve.roofline.specs import model_from_hf_config
+
+        model_config = vllm_config.model_config
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        self._collector.model = model_from_hf_config(
+            model_config.hf_config.to_dict(), self._name, dtype=dtype
+        )
+        self._collector.set_peaks(resolve_peaks(**self._peaks))
+        self._stats.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self._gpu = GpuSampler.create()
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any):
         from vllm.sampling_params import RequestOutputKind
 
         sampling_params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": prompt_token_ids}
         self._stats.requests_started_total += 1
+        context = 0  # this request's tokens counted in the decode context (once it decodes)
         try:
             async for output in self._engine.generate(prompt, sampling_params, request_id):
                 completion = output.outputs[0]
+                grown = (context or len(prompt_token_ids)) + len(completion.token_ids)
+                self._stats.decode_context_tokens += grown - context
+                context = grown
                 if completion.finish_reason == "error" and _pulls_kv(sampling_params):
                     raise await self._kv_failure(request_id)
                 yield TokenDelta(
@@ -205,6 +194,7 @@ class EngineActor:
                     kv_transfer_params=output.kv_transfer_params if output.finished else None,
                 )
         finally:
+            self._stats.decode_context_tokens -= context
             self._stats.requests_finished_total += 1
 
     async def _kv_failure(self, request_id: str) -> KVLoadFailed:
@@ -227,9 +217,9 @@ class EngineActor:
         return not self._engine.errored
 
     async def stats(self) -> dict[str, Any]:
-        stats = asdict(self._stats)
-        stats["kv"] = self._stats.kv.as_dict()
-        return stats
+        if self._gpu is not None:
+            self._gpu.sample(self._stats)
+        return self._stats.as_dict()
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -248,6 +238,13 @@ def create_engine_actor(
     kv_transfer: dict[str, Any] | None = None,
 ):
     """Place one engine actor with the pool's Ray resources; call `.start.remote()` next."""
+    env = engine_env(engine, pool, replica)
+    peaks = {
+        "device": engine.device,
+        "flops": engine.peak_flops,
+        "mem_bandwidth": engine.peak_mem_bandwidth,
+        "threads": int(env["OMP_NUM_THREADS"]),
+    }
     actor_cls = ray.remote(EngineActor)
     return actor_cls.options(
         name=name,
@@ -256,8 +253,8 @@ def create_engine_actor(
         resources=dict(pool.resources),
         max_restarts=max_restarts,
         max_concurrency=1000,
-        runtime_env={"env_vars": engine_env(engine, pool, replica)},
-    ).remote(name, engine_kwargs(model, engine, served_name, kv_transfer))
+        runtime_env={"env_vars": env},
+    ).remote(name, engine_kwargs(model, engine, served_name, kv_transfer), peaks)
 
 
 def create_pool_node(

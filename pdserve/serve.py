@@ -185,6 +185,7 @@ async def _serve(state, config: PDServeConfig, on_ready) -> None:
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     from router.frontend import Frontend
+    from router.metrics import RouterMetrics
     from router.openai_http import RouterState
 
     started = time.monotonic()
@@ -213,7 +214,13 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             )
         dispatcher = _build_dispatcher(config, pools, infos)
         frontend = Frontend(str(model_dir), served, started_infos[0]["max_model_len"])
-        state = RouterState(frontend=frontend, dispatcher=dispatcher, config=config.router)
+        metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
+        for pool in dispatcher.pools.values():
+            pool.metrics = metrics
+        state = RouterState(
+            frontend=frontend, dispatcher=dispatcher, config=config.router, metrics=metrics
+        )
+        metrics.in_flight.set_function(lambda: state.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())
 
         def on_ready(host: str, port: int, grpc_port: int) -> None:

@@ -56,6 +56,8 @@ async def _stream_with_retry(
                 raise
             tried.append(node)
             node = pool.pick(exclude=tuple(tried))  # PoolUnavailable when none is left
+            if pool.metrics is not None:
+                pool.metrics.retries.labels(pool=pool.name).inc()
             logger.warning("retrying %s on %s node %s", request_id, pool.name, node.name)
         except KVLoadFailed as error:
             raise KVTransferFailed(str(error)) from None
@@ -135,6 +137,8 @@ class Disaggregated:
             logger.warning(
                 "%s: no healthy prefill node; the decode node prefills", prepared.request_id
             )
+            if self.decode.metrics is not None:
+                self.decode.metrics.fallbacks.inc()
             async for delta in _stream_with_retry(
                 self.decode, prepared.request_id, prompt, params, deadline, decode_node
             ):

@@ -69,12 +69,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             prepared = self.state.frontend.prepare(kind, body)
             self.handler.admit()
         except RequestError as error:
+            self.handler.rejected("grpc", error)
             await context.abort(
                 STATUS_OF.get(error.http_status, grpc.StatusCode.INTERNAL), error.message
             )
         completion = 0
+        timer, outcome = self.handler.timer(prepared, "grpc"), "cancelled"
         try:
-            async for delta in self.handler.deltas(prepared):
+            async for delta in self.handler.deltas(prepared, timer):
                 completion += len(delta.token_ids)
                 reply = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
                 if delta.finish_reason:
@@ -82,12 +84,15 @@ class GenerationService(pb_grpc.GenerationServicer):
                     reply.usage.prompt_tokens = len(prepared.prompt_token_ids)
                     reply.usage.completion_tokens = completion
                 yield reply
+            outcome = "success"
         except RequestError as error:
+            outcome = error.kind
             await context.abort(
                 STATUS_OF.get(error.http_status, grpc.StatusCode.INTERNAL), error.message
             )
         finally:
             self.state.outstanding -= 1
+            timer.finished(outcome)
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.config.api_key

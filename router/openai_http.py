@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.config import RouterConfig
 from pdserve.engine import TokenDelta
@@ -30,6 +30,7 @@ from router.errors import (
     error_body,
 )
 from router.frontend import Frontend, PreparedRequest
+from router.metrics import RequestTimer, RouterMetrics
 from router.pools import NodeFailed
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class RouterState:
     frontend: Frontend
     dispatcher: Colocated | Disaggregated
     config: RouterConfig
+    metrics: RouterMetrics
     outstanding: int = 0
 
 
@@ -161,7 +163,16 @@ class Handler:
             )
         self.state.outstanding += 1
 
-    async def deltas(self, prepared: PreparedRequest) -> AsyncIterator[TokenDelta]:
+    def timer(self, prepared: PreparedRequest, api: str) -> RequestTimer:
+        return RequestTimer(self.state.metrics, api, prepared.arrival)
+
+    def rejected(self, api: str, error: RequestError) -> None:
+        """Count a request refused before it was admitted (bad input, auth, full, no pool)."""
+        self.state.metrics.requests.labels(api=api, outcome=error.kind).inc()
+
+    async def deltas(
+        self, prepared: PreparedRequest, timer: RequestTimer | None = None
+    ) -> AsyncIterator[TokenDelta]:
         """The request's deltas; if a node dies before anything was yielded, the whole request
         runs again (the dispatcher already retried its own leg; this covers a decode node that
         died after the prefill, before the client saw a token)."""
@@ -171,11 +182,14 @@ class Handler:
             try:
                 async for delta in self.state.dispatcher.deltas(prepared, deadline):
                     yielded = True
+                    if timer is not None:
+                        timer.tokens_sent(len(delta.token_ids))
                     yield delta
                 return
             except NodeFailed:
                 if yielded or attempt == MAX_ATTEMPTS:
                     raise
+                self.state.metrics.reruns.inc()
                 logger.warning(
                     "%s: node failed before any output; attempt %d",
                     prepared.request_id,
@@ -185,25 +199,34 @@ class Handler:
     async def complete(self, prepared: PreparedRequest) -> JSONResponse:
         """Non-streamed: the client sees nothing until the end, so a node failure at any point
         is retried (up to MAX_ATTEMPTS) before it becomes an error."""
+        outcome = "cancelled"
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 got = _Collected()
+                timer = self.timer(prepared, "http")
                 try:
-                    async for delta in self.deltas(prepared):
+                    async for delta in self.deltas(prepared, timer):
                         got.add(delta)
+                    outcome = "success"
                     return JSONResponse(_full_response(self.state, prepared, got))
                 except NodeFailed:
                     if attempt == MAX_ATTEMPTS:
                         raise
+                    self.state.metrics.reruns.inc()
                     logger.warning("%s: node failed; running it again", prepared.request_id)
+        except RequestError as error:
+            outcome = error.kind
+            raise
         finally:
             self.state.outstanding -= 1
+            timer.finished(outcome)
 
     async def sse(self, prepared: PreparedRequest) -> AsyncIterator[str]:
         got = _Collected()
         first = True
+        timer, outcome = self.timer(prepared, "http"), "cancelled"  # until it ends another way
         try:
-            async for delta in self.deltas(prepared):
+            async for delta in self.deltas(prepared, timer):
                 got.add(delta)
                 chunk = _chunk(self.state, prepared, delta, first)
                 first = False
@@ -211,11 +234,14 @@ class Handler:
             if prepared.include_usage:
                 chunk = _usage_chunk(self.state, prepared, got)
                 yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+            outcome = "success"
         except RequestError as error:
+            outcome = error.kind
             logger.warning("stream %s ended with %s: %s", prepared.request_id, error.kind, error)
             yield f"data: {json.dumps(error_body(error))}\n\n"
         finally:
             self.state.outstanding -= 1
+            timer.finished(outcome)
         yield "data: [DONE]\n\n"
 
 
@@ -279,11 +305,21 @@ def create_app(state: RouterState) -> FastAPI:
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     async def generate(kind: str, request: Request):
         started = time.monotonic()
-        _check_auth(state, request)
-        prepared = state.frontend.prepare(kind, await _json_body(request))
-        handler.admit()
+        try:
+            _check_auth(state, request)
+            prepared = state.frontend.prepare(kind, await _json_body(request))
+            handler.admit()
+        except RequestError as error:
+            handler.rejected("http", error)
+            raise
         logger.info(
             "%s: %d prompt tokens, max_tokens=%s, stream=%s (prepared in %.1f ms)",
             prepared.request_id,

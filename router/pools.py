@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ HEALTH_TIMEOUT_S = 10.0
 MISSED_CHECKS_TO_EVICT = 3
 """A node busy enough to miss a health check is not dead: it leaves its pool after this many
 missed checks in a row, or at once when Ray says the actor died."""
+STATS_HISTORY = 120
+"""Stats samples kept per node (two minutes at the 1 s health-check interval)."""
 
 
 class NodeFailed(EngineFailed):
@@ -50,6 +53,8 @@ class Node:
     stats: dict = field(default_factory=dict)
     restarting: bool = False
     missed_checks: int = 0
+    history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
+    """(monotonic time, stats) of recent health checks: the metrics' rate windows."""
 
 
 class Pool:
@@ -60,6 +65,8 @@ class Pool:
         self.nodes = nodes
         self.policy = make_policy(policy, name) if isinstance(policy, str) else policy
         self._watcher: asyncio.Task | None = None
+        self.metrics = None
+        """The router's `RouterMetrics` (routing decisions, retries), when it has one."""
 
     def healthy_nodes(self) -> list[Node]:
         return [node for node in self.nodes if node.healthy]
@@ -68,7 +75,10 @@ class Pool:
         candidates = [node for node in self.healthy_nodes() if node not in exclude]
         if not candidates:
             raise PoolUnavailable(f"no healthy node in the {self.name} pool")
-        return self.policy.choose(candidates)
+        node = self.policy.choose(candidates)
+        if self.metrics is not None:
+            self.metrics.routed.labels(pool=self.name, node=node.name).inc()
+        return node
 
     def mark_failed(self, node: Node, why: str) -> None:
         if node.healthy:
@@ -130,6 +140,7 @@ class Pool:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 healthy = await node.handle.check_health.remote()
                 node.stats = await node.handle.stats.remote()
+                node.history.append((time.monotonic(), node.stats))
         except NODE_FAILURES as error:  # the actor died or is restarting: out of the pool now
             self.mark_failed(node, f"health check: {type(error).__name__}")
             return

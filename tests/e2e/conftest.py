@@ -194,3 +194,15 @@ def assert_rejected(server, path, body, raw, status, says, headers=None) -> None
     error = response.json()["error"]
     assert says in error["message"]
     assert error["code"] == status
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """One sample of the router's /metrics (0 when the series is absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

@@ -18,6 +18,7 @@ from tests.e2e.conftest import (
     assert_greedy_matches_plain_vllm,
     assert_rejected,
     finish_server,
+    metric,
     start_server,
 )
 
@@ -174,6 +175,7 @@ def test_prefill_node_killed_falls_back_then_rejoins(client, server, corpus_text
         model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0
     )
     assert after.choices[0].text == expected
+    assert metric(server, "pdserve_prefill_fallbacks_total") >= 1  # the decode node prefilled
 
 
 def test_grpc_generate_streams_health_and_reflection(server):
@@ -279,6 +281,8 @@ def test_a_full_router_answers_429_and_a_disconnect_aborts_on_the_nodes(server):
             streams.append((stream, lines))
         full = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
         assert full.status_code == 429
+        refused = metric(server, "pdserve_requests_total", outcome="rate_limit_exceeded")
+        assert refused >= 1
         assert full.headers["retry-after"] and "retry later" in full.json()["error"]["message"]
 
         deadline = time.monotonic() + 30
@@ -297,6 +301,7 @@ def test_a_full_router_answers_429_and_a_disconnect_aborts_on_the_nodes(server):
         time.sleep(0.2)
     assert node(server, "decode")["running"] == 0 and node(server, "decode")["outstanding"] == 0
     assert node(server, "decode")["kv_cache_usage"] == 0.0
+    assert metric(server, "pdserve_requests_total", outcome="cancelled") >= MAX_OUTSTANDING
     ok = httpx.post(
         f"{server.url}/v1/completions",
         json={"prompt": "hi", "max_tokens": 2},
@@ -338,6 +343,7 @@ def test_decode_node_killed_with_requests_in_flight(server):
     for outcome in outcomes:
         assert outcome == "completed" or "decode" in outcome, outcome  # says which pool failed
     assert any(outcome != "completed" for outcome in outcomes)
+    assert metric(server, "pdserve_requests_total", api="http", outcome="engine_error") >= 1
     deadline = time.monotonic() + 240
     while not health(server)["pools"]["decode"]["healthy"] and time.monotonic() < deadline:
         time.sleep(1)
@@ -354,5 +360,8 @@ def test_decode_node_killed_with_requests_in_flight(server):
 def test_bad_http_input_is_refused_and_the_router_keeps_serving(server, client):
     for path, body, raw, status, says in BAD_REQUESTS:
         assert_rejected(server, path, body, raw, status, says, headers=AUTH)
+    invalid = sum(1 for *_, status, _ in BAD_REQUESTS if status == 400)
+    counted = metric(server, "pdserve_requests_total", api="http", outcome="invalid_request_error")
+    assert counted >= invalid
     ok = client.completions.create(model=server.model, prompt="Hello", max_tokens=3)
     assert ok.usage.completion_tokens == 3

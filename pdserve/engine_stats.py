@@ -1,0 +1,186 @@
+"""What an engine node reports about itself: `EngineStats`, filled from vLLM's stat loggers.
+
+vLLM calls every stat logger once per engine step with the scheduler's view (running, waiting, KV
+cache usage, KV connector stats, and — with `enable_logging_iteration_details` — the step's prompt
+and decode tokens and its execution time) and the step's iteration stats (tokens, finished
+requests with their queue time). `StatsCollector` folds them into running totals in the actor's
+own process; the router polls them every second and the metrics module turns them into series.
+Utilization is estimated per step with the roofline model (`pdserve.roofline.live`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdserve.kv.stats import KVStatsTotals
+from pdserve.roofline.live import Peaks, step_work
+from pdserve.roofline.specs import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Upper bounds (seconds) of the queue-time histogram each engine keeps."""
+
+
+@dataclass
+class EngineStats:
+    """A node's live load, as the router's policies and the metrics see it."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    max_num_seqs: int = 0
+    prompt_tokens_total: int = 0
+    prompt_tokens_computed_total: int = 0
+    prompt_tokens_transferred_total: int = 0
+    prompt_tokens_cached_total: int = 0
+    generation_tokens_total: int = 0
+    requests_started_total: int = 0
+    requests_finished_total: int = 0
+    engine_steps_total: int = 0
+    busy_seconds_total: float = 0.0
+    """Time the engine spent executing steps."""
+    prompt_busy_seconds_total: float = 0.0
+    """The share of that time spent on prompt tokens (each step split by its token mix)."""
+    estimated_flops_total: float = 0.0
+    estimated_bytes_total: float = 0.0
+    peak_flops: float = 0.0
+    peak_mem_bandwidth: float = 0.0
+    peaks_source: str = ""
+    queue_time_counts: list[int] = field(default_factory=lambda: [0] * len(QUEUE_TIME_BUCKETS))
+    """Requests whose time in the engine's waiting queue was <= each bucket (not cumulative)."""
+    queue_time_overflow: int = 0
+    queue_time_sum: float = 0.0
+    gpu_sm_utilization: float | None = None
+    """NVML's utilization.gpu (share of time a kernel ran), 0..1; None without a GPU."""
+    gpu_memory_utilization: float | None = None
+    """NVML's utilization.memory (share of time device memory was read or written), 0..1."""
+    decode_context_tokens: int = 0
+    """Tokens cached by the sequences this engine is decoding (kept by the engine actor)."""
+    kv: KVStatsTotals = field(default_factory=KVStatsTotals)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        index = bisect.bisect_left(QUEUE_TIME_BUCKETS, seconds)
+        if index < len(QUEUE_TIME_BUCKETS):
+            self.queue_time_counts[index] += 1
+        else:
+            self.queue_time_overflow += 1
+        self.queue_time_sum += seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kv"] = self.kv.as_dict()
+        data["queue_time_buckets"] = list(QUEUE_TIME_BUCKETS)
+        return data
+
+
+class StatsCollector:
+    """Folds vLLM's per-step stats into `EngineStats` (wrapped as a vLLM stat logger by
+    `stat_logger_factory`). `model` enables the utilization estimate once the engine knows it."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self.model: ModelSpec | None = None
+        self.decoding = 0
+        """Sequences this engine is decoding now (kept by the engine actor with the context)."""
+
+    def set_peaks(self, peaks: Peaks) -> None:
+        self.stats.peak_flops = peaks.flops
+        self.stats.peak_mem_bandwidth = peaks.mem_bandwidth
+        self.stats.peaks_source = peaks.source
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        stats = self.stats
+        if scheduler_stats is not None:
+            stats.running = scheduler_stats.num_running_reqs
+            stats.waiting = scheduler_stats.num_waiting_reqs
+            stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+            stats.engine_steps_total += 1
+            stats.kv.observe(scheduler_stats.kv_connector_stats)
+            self._step(scheduler_stats.iteration_details)
+        if iteration_stats is not None:
+            prompt = iteration_stats.prompt_token_stats
+            stats.prompt_tokens_total += prompt.total
+            stats.prompt_tokens_computed_total += prompt.computed
+            stats.prompt_tokens_transferred_total += prompt.external_kv_transfer
+            stats.prompt_tokens_cached_total += prompt.local_cache_hit
+            stats.generation_tokens_total += iteration_stats.num_generation_tokens
+            for finished in iteration_stats.finished_requests:
+                stats.observe_queue_time(finished.queued_time)
+
+    def _step(self, details: Any) -> None:
+        if details is None or details.is_dummy:
+            return
+        prompt, decode = details.num_ctx_tokens, details.num_generation_tokens
+        if prompt + decode == 0:
+            return
+        seconds = details.elapsed_ms / 1e3
+        self.stats.busy_seconds_total += seconds
+        self.stats.prompt_busy_seconds_total += seconds * prompt / (prompt + decode)
+        if self.model is None:
+            return
+        work = step_work(
+            self.model,
+            prompt,
+            details.num_ctx_requests,
+            decode,
+            details.num_generation_requests,
+            self.stats.decode_context_tokens,
+        )
+        self.stats.estimated_flops_total += work.flops
+        self.stats.estimated_bytes_total += work.bytes
+
+
+def stat_logger_factory(collector: StatsCollector):
+    """A vLLM stat logger class that hands every step to `collector` (same process)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Logger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            collector.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Logger
+
+
+class GpuSampler:
+    """NVML utilization of the GPU this process was given (Ray sets CUDA_VISIBLE_DEVICES)."""
+
+    def __init__(self) -> None:
+        import os
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        if visible.startswith("GPU-"):
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
+        else:
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0))
+        self._nvml = pynvml
+
+    def sample(self, stats: EngineStats) -> None:
+        rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+        stats.gpu_sm_utilization = rates.gpu / 100.0
+        stats.gpu_memory_utilization = rates.memory / 100.0
+
+    @classmethod
+    def create(cls) -> GpuSampler | None:
+        """A sampler when this process has a GPU and NVML (nvidia-ml-py); None otherwise."""
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            return cls()
+        except Exception as error:  # no NVML library or driver: no GPU series
+            logger.info("no NVML utilization: %s", error)
+            return None

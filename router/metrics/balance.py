@@ -1,0 +1,70 @@
+"""Pool balance (DESIGN.md §1): a node's **load** is its demand against its capacity,
+    load = max(compute pressure, memory pressure) + queue pressure
+- compute pressure: the share of wall time the engine spent computing prompt tokens (prefill is
+  compute-bound, so this is the compute capacity prompts use up);
+- memory pressure: max(KV cache usage, running sequences ÷ max_num_seqs) — decode is bound by the
+  KV cache and batch slots it holds, not by time (one more sequence in a decode batch is nearly
+  free until memory or slots run out);
+- queue pressure: waiting requests ÷ max_num_seqs, demand the node has no room for yet.
+A pool's load is the mean over its healthy nodes; ≥ 1 means requests queue. The balance signal is
+prefill load ÷ decode load: above 1 the prefill pool is the bottleneck (move the P:D ratio toward
+prefill), below 1 the decode pool is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+BALANCE_FLOOR = 0.01
+"""Loads below this count as this much in the balance ratio (two idle pools read as 1)."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """Rates over a node's recent stats samples (oldest and newest within the window)."""
+
+    seconds: float
+    flops: float
+    bytes: float
+    busy: float
+    prompt_busy: float
+
+    @classmethod
+    def of(cls, history: Sequence[tuple[float, dict]], window_s: float) -> Window | None:
+        if len(history) < 2:
+            return None
+        now, newest = history[-1]
+        oldest_t, oldest = next((t, s) for t, s in history if now - t <= window_s)
+        if (now - oldest_t) <= 0:
+            oldest_t, oldest = history[-2]
+        dt = now - oldest_t
+
+        def delta(key: str) -> float:
+            return max(0.0, newest.get(key, 0.0) - oldest.get(key, 0.0)) / dt
+
+        return cls(
+            dt,
+            delta("estimated_flops_total"),
+            delta("estimated_bytes_total"),
+            delta("busy_seconds_total"),
+            delta("prompt_busy_seconds_total"),
+        )
+
+
+def node_load(stats: dict, window: Window | None) -> float:
+    """Demand against capacity for one node (see the module docstring)."""
+    slots = max(1, stats.get("max_num_seqs") or 1)
+    compute = min(1.0, window.prompt_busy) if window else 0.0
+    memory = max(stats.get("kv_cache_usage", 0.0), stats.get("running", 0) / slots)
+    queue = stats.get("waiting", 0) / slots
+    return max(compute, memory) + queue
+
+
+def pool_load(loads: Iterable[float]) -> float | None:
+    loads = list(loads)
+    return sum(loads) / len(loads) if loads else None
+
+
+def balance_ratio(prefill_load: float, decode_load: float) -> float:
+    return max(prefill_load, BALANCE_FLOOR) / max(decode_load, BALANCE_FLOOR)

@@ -1,0 +1,213 @@
+"""Node and pool series, built from the stats each node reported in its last health check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from router.metrics.balance import Window, balance_ratio, node_load, pool_load
+
+
+class PoolCollector:
+    """Builds the node and pool series from `Pool.nodes` each time Prometheus scrapes."""
+
+    def __init__(self, pools: dict[str, Any], window_s: float) -> None:
+        self.pools, self.window_s = pools, window_s
+
+    def collect(self):
+        families = _NodeFamilies()
+        loads: dict[str, float] = {}
+        for pool_name, pool in self.pools.items():
+            node_loads = []
+            for node in pool.nodes:
+                window = Window.of(node.history, self.window_s)
+                families.add_node(pool_name, node, window)
+                if node.healthy and node.stats:
+                    node_loads.append(node_load(node.stats, window))
+            families.add_pool(pool_name, pool)
+            load = pool_load(node_loads)
+            if load is not None:
+                loads[pool_name] = load
+                families.pool_load.add_metric([pool_name], load)
+        yield from families.all()
+        if "prefill" in self.pools and "decode" in self.pools:
+            balance = GaugeMetricFamily(
+                "pdserve_pool_balance_ratio",
+                "Prefill pool load / decode pool load: > 1 prefill is the bottleneck (add "
+                "prefill nodes), < 1 decode is.",
+            )
+            if "decode" in loads:
+                balance.add_metric([], balance_ratio(loads.get("prefill", 0.0), loads["decode"]))
+            yield balance
+
+
+class _NodeFamilies:
+    """The metric families of one scrape, filled node by node."""
+
+    def __init__(self) -> None:
+        labels = ["pool", "node"]
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=[*labels, *extra])
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=[*labels, *extra])
+
+        self.up = gauge("pdserve_node_up", "1 while the node is healthy and in its pool.")
+        self.outstanding = gauge(
+            "pdserve_node_requests_in_flight", "Requests the router has open on the node."
+        )
+        self.running = gauge("pdserve_node_requests_running", "Requests in the engine's batch.")
+        self.waiting = gauge("pdserve_node_requests_waiting", "Requests queued in the engine.")
+        self.kv_usage = gauge("pdserve_node_kv_cache_usage_ratio", "Share of KV cache in use.")
+        self.prompt_tokens = counter(
+            "pdserve_node_prompt_tokens",
+            "Prompt tokens by how they got into the KV cache.",
+            ("source",),
+        )
+        self.generation_tokens = counter(
+            "pdserve_node_generation_tokens", "Output tokens generated."
+        )
+        self.busy = counter("pdserve_node_busy_seconds", "Time spent executing engine steps.")
+        self.prompt_busy = counter(
+            "pdserve_node_prompt_busy_seconds", "Share of step time spent on prompt tokens."
+        )
+        self.flops = counter(
+            "pdserve_node_estimated_flops", "FLOPs of the steps run (roofline estimate)."
+        )
+        self.bytes = counter(
+            "pdserve_node_estimated_memory_bytes",
+            "Bytes of weights and KV cache the steps moved (roofline estimate).",
+        )
+        self.peak_flops = gauge(
+            "pdserve_node_peak_flops_per_second", "The node's peak FLOP/s.", ("source",)
+        )
+        self.peak_bw = gauge(
+            "pdserve_node_peak_memory_bandwidth_bytes_per_second",
+            "The node's peak memory bandwidth.",
+            ("source",),
+        )
+        self.compute_util = gauge(
+            "pdserve_node_compute_utilization_ratio",
+            "Achieved FLOP/s / peak FLOP/s over the router's window.",
+        )
+        self.bw_util = gauge(
+            "pdserve_node_bandwidth_utilization_ratio",
+            "Achieved bytes/s / peak bytes/s over the router's window.",
+        )
+        self.intensity = gauge(
+            "pdserve_node_arithmetic_intensity_flops_per_byte",
+            "FLOPs / bytes of the steps in the router's window.",
+        )
+        self.load = gauge("pdserve_node_load_ratio", "Demand / capacity (see router/metrics.py).")
+        self.gpu_sm = gauge("pdserve_node_gpu_sm_utilization_ratio", "NVML utilization.gpu.")
+        self.gpu_mem = gauge(
+            "pdserve_node_gpu_memory_controller_utilization_ratio", "NVML utilization.memory."
+        )
+        self.queue_time = HistogramMetricFamily(
+            "pdserve_request_queue_time_seconds",
+            "Time requests waited in the engine's queue before running.",
+            labels=labels,
+        )
+        self.kv_bytes = counter(
+            "pdserve_kv_transfer_bytes", "KV cache bytes moved between nodes.", ("direction",)
+        )
+        self.kv_seconds = counter(
+            "pdserve_kv_transfer_seconds", "Time spent in KV transfers.", ("direction",)
+        )
+        self.kv_transfers = counter(
+            "pdserve_kv_transfers", "Finished KV transfers.", ("direction",)
+        )
+        self.kv_in_flight = gauge("pdserve_kv_transfers_in_flight", "KV pulls in progress.")
+        self.kv_failures = counter(
+            "pdserve_kv_transfer_failures", "Failed KV pulls by reason.", ("reason",)
+        )
+        self.kv_expired = counter(
+            "pdserve_kv_leases_expired", "KV leases that ended before a pull (blocks freed)."
+        )
+        self.kv_held = gauge(
+            "pdserve_kv_blocks_held", "KV blocks a prefill node keeps for decode nodes."
+        )
+        self.pool_nodes = GaugeMetricFamily(
+            "pdserve_pool_nodes", "Nodes of each pool by state.", labels=["pool", "state"]
+        )
+        self.pool_in_flight = GaugeMetricFamily(
+            "pdserve_pool_requests_in_flight",
+            "Requests the router has open on the pool.",
+            labels=["pool"],
+        )
+        self.pool_load = GaugeMetricFamily(
+            "pdserve_pool_load_ratio",
+            "Mean demand / capacity of the pool's healthy nodes (>= 1: requests queue).",
+            labels=["pool"],
+        )
+
+    def add_node(self, pool: str, node: Any, window: Window | None) -> None:
+        from pdserve.kv.stats import FAILURE_REASONS
+
+        key = [pool, node.name]
+        self.up.add_metric(key, 1.0 if node.healthy else 0.0)
+        self.outstanding.add_metric(key, node.outstanding)
+        stats = node.stats
+        if not stats:
+            return
+        self.running.add_metric(key, stats["running"])
+        self.waiting.add_metric(key, stats["waiting"])
+        self.kv_usage.add_metric(key, stats["kv_cache_usage"])
+        for source, field in (
+            ("computed", "prompt_tokens_computed_total"),
+            ("transferred", "prompt_tokens_transferred_total"),
+            ("cached", "prompt_tokens_cached_total"),
+        ):
+            self.prompt_tokens.add_metric([*key, source], stats[field])
+        self.generation_tokens.add_metric(key, stats["generation_tokens_total"])
+        self.busy.add_metric(key, stats["busy_seconds_total"])
+        self.prompt_busy.add_metric(key, stats["prompt_busy_seconds_total"])
+        self.flops.add_metric(key, stats["estimated_flops_total"])
+        self.bytes.add_metric(key, stats["estimated_bytes_total"])
+        if stats["peak_flops"]:
+            source = stats["peaks_source"]
+            self.peak_flops.add_metric([*key, source], stats["peak_flops"])
+            self.peak_bw.add_metric([*key, source], stats["peak_mem_bandwidth"])
+            if window is not None:
+                self.compute_util.add_metric(key, window.flops / stats["peak_flops"])
+                self.bw_util.add_metric(key, window.bytes / stats["peak_mem_bandwidth"])
+        if window is not None and window.bytes > 0:
+            self.intensity.add_metric(key, window.flops / window.bytes)
+        if node.healthy:
+            self.load.add_metric(key, node_load(stats, window))
+        if stats.get("gpu_sm_utilization") is not None:
+            self.gpu_sm.add_metric(key, stats["gpu_sm_utilization"])
+            self.gpu_mem.add_metric(key, stats["gpu_memory_utilization"])
+        self._add_queue_time(key, stats)
+        kv = stats["kv"]
+        counters, gauges = kv["counters"], kv["gauges"]
+        for direction in ("sent", "received"):
+            labels = [*key, direction]
+            self.kv_bytes.add_metric(labels, counters.get(f"bytes_{direction}", 0))
+            self.kv_seconds.add_metric(labels, counters.get(f"seconds_{direction}", 0.0))
+            self.kv_transfers.add_metric(labels, counters.get(f"transfers_{direction}", 0))
+        for reason in FAILURE_REASONS:
+            self.kv_failures.add_metric([*key, reason], counters.get(f"failures_{reason}", 0))
+        self.kv_in_flight.add_metric(key, gauges.get("in_flight", 0))
+        self.kv_expired.add_metric(key, counters.get("leases_expired", 0))
+        self.kv_held.add_metric(key, gauges.get("blocks_held", 0))
+
+    def _add_queue_time(self, key: list[str], stats: dict) -> None:
+        cumulative, buckets = 0, []
+        bounds, counts = stats["queue_time_buckets"], stats["queue_time_counts"]
+        for bound, count in zip(bounds, counts, strict=True):
+            cumulative += count
+            buckets.append((repr(float(bound)), cumulative))
+        buckets.append(("+Inf", cumulative + stats["queue_time_overflow"]))
+        self.queue_time.add_metric(key, buckets, stats["queue_time_sum"])
+
+    def add_pool(self, name: str, pool: Any) -> None:
+        healthy = len(pool.healthy_nodes())
+        self.pool_nodes.add_metric([name, "healthy"], healthy)
+        self.pool_nodes.add_metric([name, "unhealthy"], len(pool.nodes) - healthy)
+        self.pool_in_flight.add_metric([name], sum(node.outstanding for node in pool.nodes))
+
+    def all(self):
+        return [value for value in vars(self).values() if hasattr(value, "samples")]

@@ -1,0 +1,120 @@
+"""The router's own instruments: request outcomes and the latencies clients see."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from router.metrics.cluster import PoolCollector
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+"""Seconds; fine around CPU decode steps (20–100 ms) and GPU TTFTs, wide enough for CPU prefills."""
+
+disable_created_metrics()  # no `_created` series: nothing here reads them
+
+
+class RouterMetrics:
+    """The router's own instruments, registered in a private registry with the pool collector."""
+
+    def __init__(self, pools: dict[str, Any], mode: str, window_s: float = 15.0) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_requests", "Requests by API and outcome.", ["api", "outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Arrival at the router to the first token sent to the client.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive output tokens as the client sees them.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Per request: (end-to-end latency - time to first token) / (output tokens - 1).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Arrival at the router to the last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.routed = Counter(
+            "pdserve_routing_decisions",
+            "Requests (or request legs) sent to each node.",
+            ["pool", "node"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "pdserve_prefill_fallbacks",
+            "Requests prefilled on a decode node because no prefill node was healthy.",
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_retries",
+            "Request legs retried on another node of the pool after their node failed.",
+            ["pool"],
+            registry=r,
+        )
+        self.reruns = Counter(
+            "pdserve_request_reruns",
+            "Whole requests run again because a node failed before any output was sent.",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pdserve_router_requests_in_flight", "Requests admitted and not finished.", registry=r
+        )
+        info = Gauge("pdserve_router_info", "The router's serving mode.", ["mode"], registry=r)
+        info.labels(mode=mode).set(1)
+        for pool in pools:
+            self.retries.labels(pool=pool)
+        r.register(PoolCollector(pools, window_s))
+
+    def request_timer(self, api: str) -> RequestTimer:
+        return RequestTimer(self, api)
+
+
+class RequestTimer:
+    """Latencies of one request, observed as its tokens reach the client."""
+
+    def __init__(self, metrics: RouterMetrics, api: str, arrival: float | None = None) -> None:
+        self.metrics, self.api = metrics, api
+        self.arrival = arrival if arrival is not None else time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+    def tokens_sent(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.arrival)
+        elif self.last is not None:
+            gap = (now - self.last) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last = now
+        self.tokens += count
+
+    def finished(self, outcome: str) -> None:
+        self.metrics.requests.labels(api=self.api, outcome=outcome).inc()
+        if outcome != "success" or self.first is None:
+            return
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.arrival)
+        if self.tokens > 1:
+            self.metrics.tpot.observe((now - self.first) / (self.tokens - 1))

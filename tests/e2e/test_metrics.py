@@ -1,0 +1,220 @@
+"""Metrics end to end: a real Prometheus (Debian's package, 1 s scrapes, the repo's rule files)
+scrapes a running 1P1D pdserve under load; every expression of the recording rules, the alert
+rules and the Grafana dashboard must return data, per pool with both pools present."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.e2e.conftest import finish_server, start_server
+
+pytestmark = pytest.mark.e2e
+
+RULES = sorted((REPO / "deploy/prometheus/rules").glob("*.yml"))
+DASHBOARD = REPO / "deploy/grafana/dashboards/pdserve-pool-balance.json"
+POOLS = {"prefill", "decode"}
+DATA_DEADLINE_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("serve-metrics"))
+    yield server
+    finish_server(server)
+
+
+@pytest.fixture(scope="module")
+def load(server):
+    """Streamed requests of mixed lengths from two clients until the module ends."""
+    stop = threading.Event()
+    words = (REPO / "README.md").read_text().split()
+
+    def client(seed: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            i = seed
+            while not stop.is_set():
+                prompt = " ".join(words[i * 37 % 2000 : i * 37 % 2000 + 20 + (i * 53) % 400])
+                body = {"prompt": prompt, "max_tokens": 12, "stream": True, "ignore_eos": True}
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    response.read()
+                i += 2
+
+    threads = [threading.Thread(target=client, args=(seed,), daemon=True) for seed in (0, 1)]
+    for thread in threads:
+        thread.start()
+    yield
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, load, tmp_path_factory):
+    """Prometheus on loopback scraping the router every second, with the repo's rule files."""
+    assert shutil.which("prometheus"), "install Debian's prometheus package (.ci/run does)"
+    work = tmp_path_factory.mktemp("prometheus")
+    target = server.url.removeprefix("http://")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(path) for path in RULES],
+        "scrape_configs": [{"job_name": "pdserve", "static_configs": [{"targets": [target]}]}],
+    }
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    log = (work / "prometheus.log").open("w")
+    process = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_data(url, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+def query(url: str, expr: str) -> list[dict]:
+    response = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    body = response.json()
+    assert body.get("status") == "success", f"{expr}: {body}"
+    return body["data"]["result"]
+
+
+def _wait_for_data(url: str, process: subprocess.Popen) -> None:
+    """Until the slowest series exist: a minute-window latency quantile over real requests,
+    and KV transfers seen in two scrapes."""
+    probes = (
+        'up{job="pdserve"} == 1',
+        "pdserve:time_to_first_token_seconds:p99_rate1m",
+        "pdserve:kv_transfer_seconds:mean_rate1m",
+        'pool:pdserve_compute_utilization:ratio_rate1m{pool="decode"}',
+    )
+    deadline = time.monotonic() + DATA_DEADLINE_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "prometheus exited"
+        try:
+            if all(_has_number(query(url, probe)) for probe in probes):
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(1)
+    raise TimeoutError(f"no data from Prometheus for {probes} in {DATA_DEADLINE_S} s")
+
+
+def _has_number(result: list[dict]) -> bool:
+    return any(sample["value"][1] not in ("NaN", "+Inf", "-Inf") for sample in result)
+
+
+def assert_data(url: str, expr: str, per_pool: bool, where: str) -> list[dict]:
+    result = query(url, expr)
+    assert result, f"{where}: no data for {expr}"
+    if per_pool:
+        pools = {sample["metric"].get("pool") for sample in result}
+        assert POOLS <= pools, f"{where}: {expr} has pools {pools}, wants {POOLS}"
+    return result
+
+
+def _rules(kind: str) -> list[dict]:
+    return [
+        rule
+        for path in RULES
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+        if kind in rule
+    ]
+
+
+def _operands(expr: str) -> list[str]:
+    """The value expressions an alert compares with thresholds: `A > x and B > y` → [A, B]."""
+    parts = re.split(r"\s+(?:and|or|unless)\s+", " ".join(expr.split()))
+    return [re.split(r"\s+(?:>=|<=|==|!=|>|<)\s+", part)[0] for part in parts]
+
+
+def test_recording_rules_return_data_for_both_pools(prometheus):
+    rules = _rules("record")
+    assert len(rules) >= 10
+    for rule in rules:
+        per_pool = rule["record"].startswith("pool:")
+        assert_data(prometheus, rule["expr"], per_pool, rule["record"])
+        assert_data(prometheus, rule["record"], per_pool, f"recorded {rule['record']}")
+
+
+def test_alert_rule_expressions_return_data(prometheus):
+    rules = _rules("alert")
+    assert {rule["alert"] for rule in rules} >= {
+        "PdservePoolSaturated",
+        "PdserveKVTransferFailures",
+        "PdserveTTFTBudgetBurnFast",
+    }
+    for rule in rules:
+        for operand in _operands(rule["expr"]):
+            per_pool = operand.startswith(("pool:", "pdserve_pool_"))
+            assert_data(prometheus, operand, per_pool, rule["alert"])
+
+
+def test_every_dashboard_panel_returns_data(prometheus):
+    panels = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+    assert len(panels) >= 15
+    for panel in panels:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "1m")
+            if panel["description"].startswith("GPU only"):
+                assert query(prometheus, expr) == [], "NVML series on a machine without a GPU"
+                continue
+            per_pool = "{{pool}}" in target["legendFormat"]
+            assert_data(prometheus, expr, per_pool, panel["title"])
+
+
+def test_the_roofline_separates_the_pools(prometheus):
+    """Prefill runs many tokens per weight read, decode one: the measured intensity says so."""
+    intensity = {
+        sample["metric"]["pool"]: float(sample["value"][1])
+        for sample in query(prometheus, "pool:pdserve_arithmetic_intensity:flops_per_byte_rate1m")
+    }
+    assert intensity["prefill"] > 5 * intensity["decode"], intensity
+    sent = query(prometheus, 'sum(pdserve_kv_transfer_bytes_total{direction="sent"})')
+    received = query(prometheus, 'sum(pdserve_kv_transfer_bytes_total{direction="received"})')
+    assert float(sent[0]["value"][1]) > 0
+    assert float(received[0]["value"][1]) > 0
+    computed = query(
+        prometheus, 'pdserve_node_prompt_tokens_total{pool="decode",source="transferred"}'
+    )
+    assert float(computed[0]["value"][1]) > 0, "the decode node loaded no prompt tokens"
+
+
+def test_promtool_accepts_a_live_scrape(server, load):
+    scrape = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert scrape.status_code == 200
+    assert scrape.headers["content-type"].startswith("text/plain")
+    checked = subprocess.run(
+        ["promtool", "check", "metrics"], input=scrape.text, capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert 'pdserve_node_up{node="pdserve-prefill-0",pool="prefill"} 1.0' in scrape.text
+    assert 'pdserve_node_up{node="pdserve-decode-0",pool="decode"} 1.0' in scrape.text

@@ -1,0 +1,201 @@
+"""Pure logic behind the metrics: the per-step roofline estimate, the stats collector, rate
+windows, load and balance, request timing, and the series the pool collector exports."""
+
+from __future__ import annotations
+
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine_stats import QUEUE_TIME_BUCKETS, EngineStats, StatsCollector
+from pdserve.roofline.live import Peaks, resolve_peaks, step_work
+from pdserve.roofline.model import kv_bytes_per_token, weight_bytes
+from pdserve.roofline.specs import PRESETS
+from router.metrics import RequestTimer, RouterMetrics
+from router.metrics import events as events_module
+from router.metrics.balance import Window, balance_ratio, node_load, pool_load
+from router.pools import Node, Pool
+
+SMOL = PRESETS["smollm2-135m"]  # 576 hidden, 30 layers, 9 heads, 3 KV heads, 64 head dim, 1536
+
+
+def linear_flops_per_token(m) -> int:
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    h, i = m.hidden_size, m.intermediate_size
+    return 2 * m.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)
+
+
+def test_decode_step_by_hand():
+    # 4 sequences with 1000 cached tokens together, one new token each
+    work = step_work(SMOL, 0, 0, 4, 4, 1000)
+    attention = 4 * 9 * 64 * 30 * (4 * 1000 / 4)
+    head = 2 * 4 * 576 * 49152
+    assert work.flops == pytest.approx(4 * linear_flops_per_token(SMOL) + head + attention)
+    kv = kv_bytes_per_token(SMOL)  # 2 · 3 · 64 · 30 · 2 = 23,040
+    assert kv == 23_040
+    assert work.bytes == pytest.approx(weight_bytes(SMOL) + kv * 1000 + kv * 4)
+
+
+def test_prefill_chunk_by_hand():
+    # one 512-token prompt: causal attention sees 256 tokens on average; its K/V read once
+    work = step_work(SMOL, 512, 1, 0, 0, 0)
+    attention = 4 * 9 * 64 * 30 * (512 * 512 / 2)
+    head = 2 * 576 * 49152
+    assert work.flops == pytest.approx(512 * linear_flops_per_token(SMOL) + head + attention)
+    kv = kv_bytes_per_token(SMOL)
+    assert work.bytes == pytest.approx(weight_bytes(SMOL) + kv * 512 + kv * 512)
+
+
+def test_prefill_intensity_is_far_above_decode():
+    prefill = step_work(SMOL, 512, 1, 0, 0, 0)
+    decode = step_work(SMOL, 0, 0, 1, 1, 100)
+    assert prefill.flops / prefill.bytes > 50 * (decode.flops / decode.bytes)
+    assert decode.flops / decode.bytes < 2  # GEMV: about one FLOP per weight byte (bf16)
+    assert step_work(SMOL, 0, 0, 0, 0, 0).flops == 0
+
+
+def test_peaks_from_config_and_catalog():
+    assert resolve_peaks(flops=1e12, mem_bandwidth=1e11) == Peaks(1e12, 1e11, "config")
+    h100 = resolve_peaks(device="h100-sxm")
+    assert (h100.flops, h100.mem_bandwidth, h100.source) == (989e12, 3.35e12, "catalog:h100-sxm")
+    assert resolve_peaks(device="h100-sxm", flops=5e14).flops == 5e14
+
+
+def _details(prompt, prompt_seqs, decode, decode_seqs, ms):
+    return SimpleNamespace(
+        num_ctx_tokens=prompt,
+        num_ctx_requests=prompt_seqs,
+        num_generation_tokens=decode,
+        num_generation_requests=decode_seqs,
+        elapsed_ms=ms,
+        is_dummy=False,
+    )
+
+
+def _scheduler(details, running=1, waiting=0, usage=0.1):
+    return SimpleNamespace(
+        num_running_reqs=running,
+        num_waiting_reqs=waiting,
+        kv_cache_usage=usage,
+        kv_connector_stats=None,
+        iteration_details=details,
+    )
+
+
+def test_collector_splits_step_time_by_token_mix_and_adds_work():
+    stats = EngineStats()
+    collector = StatsCollector(stats)
+    collector.model = SMOL
+    stats.decode_context_tokens = 300
+    collector.record(_scheduler(_details(96, 1, 32, 32, 200.0)), None)
+    assert stats.busy_seconds_total == pytest.approx(0.2)
+    assert stats.prompt_busy_seconds_total == pytest.approx(0.2 * 96 / 128)
+    expected = step_work(SMOL, 96, 1, 32, 32, 300)
+    assert stats.estimated_flops_total == pytest.approx(expected.flops)
+    assert stats.estimated_bytes_total == pytest.approx(expected.bytes)
+    collector.record(_scheduler(None), None)  # no details (e.g. a stats-only update): no work
+    assert stats.engine_steps_total == 2 and stats.busy_seconds_total == pytest.approx(0.2)
+
+
+def test_queue_time_histogram_buckets():
+    stats = EngineStats()
+    for seconds in (0.0005, 0.003, 0.003, 12.0, 100.0):
+        stats.observe_queue_time(seconds)
+    assert stats.queue_time_counts[0] == 1  # <= 1 ms
+    assert stats.queue_time_counts[QUEUE_TIME_BUCKETS.index(0.005)] == 2
+    assert stats.queue_time_counts[QUEUE_TIME_BUCKETS.index(30.0)] == 1
+    assert stats.queue_time_overflow == 1
+    assert stats.queue_time_sum == pytest.approx(112.0065)
+
+
+def _sample(t, flops=0.0, nbytes=0.0, busy=0.0, prompt_busy=0.0):
+    return (
+        t,
+        {
+            "estimated_flops_total": flops,
+            "estimated_bytes_total": nbytes,
+            "busy_seconds_total": busy,
+            "prompt_busy_seconds_total": prompt_busy,
+        },
+    )
+
+
+def test_window_rates_use_the_oldest_sample_inside_the_window():
+    history = [_sample(0), _sample(10, 100, 10, 1, 1), _sample(20, 300, 50, 6, 2)]
+    window = Window.of(history, 15)
+    assert window == Window(10, 20, 4, 0.5, 0.1)
+    assert Window.of(history, 60).flops == 15
+    assert Window.of(history[:1], 15) is None
+
+
+def test_node_load_is_compute_or_memory_plus_queue():
+    prefill = {"max_num_seqs": 64, "kv_cache_usage": 0.05, "running": 1, "waiting": 0}
+    assert node_load(prefill, Window(10, 0, 0, 0.7, 0.6)) == pytest.approx(0.6)
+    decode = {"max_num_seqs": 64, "kv_cache_usage": 0.3, "running": 32, "waiting": 0}
+    assert node_load(decode, Window(10, 0, 0, 1.0, 0.01)) == pytest.approx(0.5)
+    queued = {**decode, "waiting": 64}
+    assert node_load(queued, None) == pytest.approx(1.5)
+    assert pool_load([0.2, 0.4]) == pytest.approx(0.3) and pool_load([]) is None
+    assert balance_ratio(0.9, 0.3) == pytest.approx(3.0)
+    assert balance_ratio(0.0, 0.0) == 1.0
+
+
+def _node_stats(**overrides) -> dict:
+    stats = EngineStats(max_num_seqs=64, peak_flops=1e11, peak_mem_bandwidth=1e10)
+    stats.peaks_source = "measured"
+    data = stats.as_dict()
+    data.update(overrides)
+    return data
+
+
+def test_pool_collector_exports_nodes_pools_and_balance():
+    prefill = Node("p0", None, stats=_node_stats(running=1))
+    prefill.history.extend(
+        [_sample(0), (10, _node_stats(estimated_flops_total=2e11, prompt_busy_seconds_total=8))]
+    )
+    prefill.stats = prefill.history[-1][1]
+    decode = Node("d0", None, stats=_node_stats(running=16, kv_cache_usage=0.2))
+    dead = Node("d1", None, healthy=False, stats=_node_stats(waiting=500))
+    pools = {"prefill": Pool("prefill", [prefill]), "decode": Pool("decode", [decode, dead])}
+    metrics = RouterMetrics(pools, "disaggregated")
+    text = generate_latest(metrics.registry).decode()
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert values[("pdserve_pool_load_ratio", (("pool", "prefill"),))] == pytest.approx(0.8)
+    # the unhealthy node's queue does not count: decode load is 16/64 from the healthy one
+    assert values[("pdserve_pool_load_ratio", (("pool", "decode"),))] == pytest.approx(0.25)
+    assert values[("pdserve_pool_balance_ratio", ())] == pytest.approx(3.2)
+    key = (("node", "p0"), ("pool", "prefill"))
+    assert values[("pdserve_node_compute_utilization_ratio", key)] == pytest.approx(0.2)
+    assert values[("pdserve_pool_nodes", (("pool", "decode"), ("state", "unhealthy")))] == 1
+    assert values[("pdserve_node_up", (("node", "d1"), ("pool", "decode")))] == 0
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
+                             capture_output=True)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
+    metrics = RouterMetrics({}, "colocated")
+    clock = iter([1.5, 1.7, 2.1, 2.1])  # first token, +1 token, +2 tokens, finish
+    monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
+    timer = RequestTimer(metrics, "http", arrival=1.0)
+    timer.tokens_sent(1)
+    timer.tokens_sent(1)
+    timer.tokens_sent(2)
+    timer.finished("success")
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value(name, labels or None)
+
+    assert value("pdserve_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert value("pdserve_inter_token_latency_seconds_count") == 3
+    assert value("pdserve_inter_token_latency_seconds_sum") == pytest.approx(0.2 + 0.4)
+    assert value("pdserve_time_per_output_token_seconds_sum") == pytest.approx(0.6 / 3)
+    assert value("pdserve_e2e_request_latency_seconds_sum") == pytest.approx(1.1)
+    assert value("pdserve_requests_total", api="http", outcome="success") == 1
