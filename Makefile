@@ -3,7 +3,7 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format proto bench-kv
+.PHONY: setup serve test test-fast lint format proto bench bench-kv
 
 setup:
 	bash scripts/bootstrap.sh
@@ -27,6 +27,14 @@ format:
 
 proto:
 	bash scripts/gen_proto.sh
+
+# the comparison in results/bench/README.md: disaggregated 1P1D vs colocated on the same 2 cores,
+# interference workload, plus the router's overhead and the KV micro-benchmark (~10 min)
+bench: setup
+	$(VENV)/bin/pdserve bench compare --workload interference --prompt-len 64 --output-len 128 \
+		--long-prompt-len 1536 --long-output-len 16 --long-every-s 10 --arrivals poisson \
+		--rate 1 --num-requests 120 --ttft-slo-s 2 --tpot-slo-s 0.1 \
+		--out results/bench/interference $(ARGS)
 
 bench-kv: setup
 	$(VENV)/bin/python benchmarks/kv_transport.py

@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_cmd_serve)
     _add_plan_parser(commands)
+
+    from pdserve.bench.main import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -218,3 +219,21 @@ def test_promtool_accepts_a_live_scrape(server, load):
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert 'pdserve_node_up{node="pdserve-prefill-0",pool="prefill"} 1.0' in scrape.text
     assert 'pdserve_node_up{node="pdserve-decode-0",pool="decode"} 1.0' in scrape.text
+
+
+def test_bench_run_drives_the_router_and_writes_a_report(server, tmp_path):
+    """`pdserve bench run` against the live router: every request completes, and the report
+    (JSON, markdown, records, plots) says so."""
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "pdserve.cli", "bench", "run", "--url", server.url]
+    command += ["--workload", "random", "--prompt-range", "8", "64", "--output-range", "4", "12"]
+    command += ["--arrivals", "concurrency", "--concurrency", "2", "--num-requests", "6"]
+    command += ["--warmup-requests", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run = json.loads((out / "results.json").read_text())["runs"]["run"]
+    assert run["completed"] == 6 and run["errors"] == 0
+    assert 0 < run["ttft_s"]["p50"] < run["e2e_s"]["p50"]
+    assert len((out / "records.jsonl").read_text().splitlines()) == 6
+    assert "| TTFT p99 (s) |" in (out / "results.md").read_text()
+    assert (out / "latency_cdf.png").stat().st_size > 10_000

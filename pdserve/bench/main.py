@@ -1,0 +1,325 @@
+"""`pdserve bench run` (one endpoint) and `pdserve bench compare` (disaggregated against
+colocated on the same cores, plus the router's overhead and the KV micro-benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+from pdserve.bench import compare
+from pdserve.bench.client import run_load, served_model
+from pdserve.bench.report import markdown_table, plot, read_records, write_json
+from pdserve.bench.stats import RequestRecord, summarize
+from pdserve.bench.workload import RequestSpec, Workload, build_requests
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible endpoint, or compare serving modes",
+        description="Load generator and report: TTFT, inter-token latency, TPOT and end-to-end "
+        "percentiles, goodput at SLOs, JSON + markdown + PNG plots.",
+    )
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="drive one endpoint (pdserve's router, or a plain vLLM server)",
+        description="Drive one OpenAI-compatible endpoint with a workload and report.",
+    )
+    run.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    run.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    run.add_argument("--api-key", help="sent as `Authorization: Bearer <key>`")
+    run.add_argument("--label", default="run", help="name of this run in the report")
+    _add_workload_args(run)
+    run.set_defaults(func=cmd_run)
+    both = sub.add_parser(
+        "compare",
+        help="the same workload on pdserve disaggregated (1P1D) and colocated, same cores",
+        description="Start pdserve disaggregated (1 prefill engine on core 0, 1 decode engine on "
+        "core 1) and colocated (one engine on cores 0-1) in turn, run the same workload against "
+        "each, and report them side by side with ratios; then measure the router's overhead "
+        "against a plain vLLM server and run the KV transfer micro-benchmark.",
+    )
+    both.add_argument(
+        "--modes", nargs="+", default=list(compare.MODES), choices=list(compare.MODES)
+    )
+    both.add_argument(
+        "--overhead-requests",
+        type=int,
+        default=20,
+        help="sequential requests per side for the router-overhead measurement (0: skip)",
+    )
+    both.add_argument("--no-kv-micro", action="store_true", help="skip the KV micro-benchmark")
+    _add_workload_args(both)
+    both.set_defaults(func=cmd_compare)
+    again = sub.add_parser(
+        "report",
+        help="recompute a report folder's figures, tables and plots from its records",
+        description="Read results.json and records.jsonl from a folder written by `run` or "
+        "`compare` and write results.json, results.md and the plots again (after a change to "
+        "how figures are computed, or with other SLOs).",
+    )
+    again.add_argument("folder", help="a folder written by `pdserve bench run` or `compare`")
+    again.add_argument("--ttft-slo-s", type=float, help="default: the run's")
+    again.add_argument("--tpot-slo-s", type=float, help="default: the run's")
+    again.set_defaults(func=cmd_report)
+
+
+def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument("--workload", choices=["fixed", "random", "interference"], default="fixed")
+    w.add_argument("--prompt-len", type=int, default=128, help="fixed / interference steady")
+    w.add_argument("--output-len", type=int, default=64, help="fixed / interference steady")
+    w.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    w.add_argument("--output-range", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    w.add_argument("--long-prompt-len", type=int, default=1536, help="interference")
+    w.add_argument("--long-output-len", type=int, default=16, help="interference")
+    w.add_argument("--long-every-s", type=float, default=10.0, help="interference")
+    a = parser.add_argument_group("arrivals and bounds")
+    a.add_argument("--arrivals", choices=["poisson", "fixed", "concurrency"], default="poisson")
+    a.add_argument("--rate", type=float, default=1.0, help="requests/s (poisson, fixed)")
+    a.add_argument("--concurrency", type=int, default=4, help="requests in flight (concurrency)")
+    a.add_argument("--num-requests", type=int, default=100, help="steady requests at most")
+    a.add_argument("--duration-s", type=float, default=None, help="stop sending after this")
+    a.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=20,
+        help="requests of the same workload sent first and not recorded (a fresh engine is "
+        "slow on batch shapes it has not met yet)",
+    )
+    s = parser.add_argument_group("SLOs (goodput)")
+    s.add_argument("--ttft-slo-s", type=float, default=2.0)
+    s.add_argument("--tpot-slo-s", type=float, default=0.1)
+    parser.add_argument("--out", default="bench-results", help="folder for the report")
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return Workload(
+        args.workload,
+        args.prompt_len,
+        args.output_len,
+        tuple(args.prompt_range),
+        tuple(args.output_range),
+        args.long_prompt_len,
+        args.long_output_len,
+        args.long_every_s,
+    )
+
+
+def _requests(args: argparse.Namespace) -> list[RequestSpec]:
+    return build_requests(
+        _workload(args), args.num_requests, args.arrivals, args.rate, seed=args.seed
+    )
+
+
+async def _measure(url: str, requests, args, model: str | None = None, api_key=None):
+    model = model or await served_model(url, api_key)
+    if args.warmup_requests:  # the same traffic, unrecorded: engines meet their shapes first
+        warm = build_requests(
+            _workload(args), args.warmup_requests, args.arrivals, args.rate, seed=args.seed + 1
+        )
+        concurrency = args.concurrency if args.arrivals == "concurrency" else None
+        await run_load(url, warm, model, concurrency, None, api_key, args.timeout_s)
+    concurrency = args.concurrency if args.arrivals == "concurrency" else None
+    return await run_load(
+        url, requests, model, concurrency, args.duration_s, api_key, args.timeout_s
+    )
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    keys = (
+        "workload prompt_len output_len prompt_range output_range long_prompt_len "
+        "long_output_len long_every_s arrivals rate concurrency num_requests duration_s seed "
+        "warmup_requests "
+        "ttft_slo_s tpot_slo_s"
+    ).split()
+    return {key: getattr(args, key) for key in keys}
+
+
+def _machine() -> str:
+    import os
+
+    cpu = platform.machine()
+    try:
+        names = [line for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def _write(out: Path, results: dict, records: dict[str, list[RequestRecord]], text: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out, results, records)
+    (out / "results.md").write_text(text)
+    plots = plot(out, records)
+    print(text)
+    print(
+        f"wrote {out}/: results.json, records.jsonl, results.md, "
+        + ", ".join(p.name for p in plots)
+    )
+
+
+def _quiet() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _quiet()
+    requests = _requests(args)
+    records, duration = asyncio.run(_measure(args.url, requests, args, args.model, args.api_key))
+    summary = summarize(records, duration, args.ttft_slo_s, args.tpot_slo_s)
+    results = {"settings": _settings(args), "machine": _machine(), "runs": {args.label: summary}}
+    text = f"# pdserve bench: {args.label} ({args.url})\n\n" + markdown_table({args.label: summary})
+    _write(Path(args.out), results, {args.label: records}, text)
+    return 0 if summary["completed"] else 1
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    _quiet()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    requests = _requests(args)
+    summaries, records, kv = {}, {}, {}
+    for mode in args.modes:
+        logger.info("starting pdserve %s (%s)", mode, compare.MODES[mode])
+        with compare.pdserve_server(compare.MODES[mode], compare.scratch(out, mode)) as url:
+            before = compare.kv_totals(url) if mode == "disaggregated" else None
+            logger.info("running %d requests against %s", len(requests), mode)
+            records[mode], duration = asyncio.run(_measure(url, requests, args))
+            if before is not None:
+                after = compare.kv_totals(url)
+                kv = {key: after[key] - before[key] for key in after}
+        summaries[mode] = summarize(records[mode], duration, args.ttft_slo_s, args.tpot_slo_s)
+    results = {
+        "settings": _settings(args),
+        "machine": _machine(),
+        "fairness": "disaggregated: prefill engine on core 0 + decode engine on core 1, one "
+        "thread each; colocated: one engine with two threads on cores 0-1; same engine settings, "
+        "same requests at the same times, fresh server per mode",
+        "runs": summaries,
+        "kv_transfer_in_run": _kv_in_run(kv),
+    }
+    if args.overhead_requests:
+        results["router_overhead"] = _router_overhead(out, args)
+    if not args.no_kv_micro:
+        results["kv_micro_benchmark"] = compare.kv_micro_benchmark(out)
+    _write(out, results, records, _compare_text(results))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    out = Path(args.folder)
+    try:
+        results = json.loads((out / "results.json").read_text())
+        records = read_records(out / "records.jsonl")
+    except (OSError, ValueError) as error:
+        print(f"pdserve bench report: cannot read {out}: {error}", file=sys.stderr)
+        return 2
+    settings = results["settings"]
+    settings["ttft_slo_s"] = args.ttft_slo_s or settings["ttft_slo_s"]
+    settings["tpot_slo_s"] = args.tpot_slo_s or settings["tpot_slo_s"]
+    for name, runs in records.items():
+        duration = results["runs"][name]["duration_s"]
+        results["runs"][name] = summarize(
+            runs, duration, settings["ttft_slo_s"], settings["tpot_slo_s"]
+        )
+    if "fairness" in results:
+        text = _compare_text(results)
+    else:
+        (name,) = results["runs"]
+        text = f"# pdserve bench: {name}\n\n" + markdown_table(results["runs"])
+    _write(out, results, records, text)
+    return 0
+
+
+def _kv_in_run(kv: dict) -> dict | None:
+    if not kv or not kv.get("transfers"):
+        return None
+    return {
+        **kv,
+        "mean_seconds": kv["seconds"] / kv["transfers"],
+        "gbps": kv["bytes"] / kv["seconds"] / 1e9 if kv["seconds"] else None,
+    }
+
+
+def _router_overhead(out: Path, args: argparse.Namespace) -> dict:
+    """Sequential identical requests through pdserve colocated and a plain vLLM server with the
+    same engine settings on the same cores: the difference is what the router adds."""
+    specs = build_requests(Workload("fixed", 128, 32), args.overhead_requests, "fixed", 1.0, 1)
+    specs = [RequestSpec(s.index, s.prompt_token_ids, s.max_tokens) for s in specs]
+    sides = {}
+    from pdserve.model_prep import prepare_default_model
+
+    model_dir = prepare_default_model()
+    with compare.plain_vllm_server(model_dir, model_dir.name, compare.scratch(out, "vllm")) as url:
+        sides["vllm"] = asyncio.run(_sequential(url, specs))
+    config = compare.MODES["colocated"]
+    with compare.pdserve_server(config, compare.scratch(out, "overhead")) as url:
+        sides["pdserve"] = asyncio.run(_sequential(url, specs))
+    result = {}
+    for metric in ("ttft_s", "itl_s", "e2e_s"):
+        ours, theirs = sides["pdserve"][metric]["p50"], sides["vllm"][metric]["p50"]
+        result[metric] = {"pdserve_p50": ours, "vllm_p50": theirs, "added": ours - theirs}
+    return result
+
+
+async def _sequential(url: str, specs: list[RequestSpec]) -> dict:
+    model = await served_model(url)
+    await run_load(url, specs[:2], model, concurrency=1)  # warm-up
+    started = time.monotonic()
+    records, _ = await run_load(url, specs, model, concurrency=1)
+    return summarize(records, time.monotonic() - started, 1e9, 1e9)
+
+
+def _compare_text(results: dict) -> str:
+    settings = results["settings"]
+    lines = [
+        "# pdserve bench compare",
+        "",
+        f"Machine: {results['machine']}. Workload: {settings['workload']}, arrivals "
+        f"{settings['arrivals']} at {settings['rate']}/s, {settings['num_requests']} steady "
+        f"requests. SLOs: TTFT ≤ {settings['ttft_slo_s']} s, TPOT ≤ {settings['tpot_slo_s']} s.",
+        f"Fairness: {results['fairness']}.",
+        "",
+        markdown_table(results["runs"]),
+    ]
+    kv = results.get("kv_transfer_in_run")
+    if kv:
+        lines.append(
+            f"KV transfer during the disaggregated run: {kv['transfers']:.0f} pulls, "
+            f"{kv['bytes'] / 2**20:.1f} MiB, mean {kv['mean_seconds'] * 1e3:.1f} ms per pull "
+            f"({kv['gbps']:.2f} GB/s while transferring).\n"
+        )
+    overhead = results.get("router_overhead")
+    if overhead:
+        lines += ["Router overhead (pdserve colocated − plain vLLM server, same engine, p50):", ""]
+        lines += ["| metric | pdserve | vLLM | added |", "|---|---|---|---|"]
+        for metric, row in overhead.items():
+            lines.append(
+                f"| {metric} | {row['pdserve_p50'] * 1e3:.1f} ms | {row['vllm_p50'] * 1e3:.1f} ms "
+                f"| {row['added'] * 1e3:+.1f} ms |"
+            )
+        lines.append("")
+    micro = results.get("kv_micro_benchmark")
+    if micro:
+        lines += ["KV transfer micro-benchmark (benchmarks/kv_transport.py, median):", ""]
+        lines += ["| payload | raw TCP GB/s | pdserve TCP GB/s | ratio |", "|---|---|---|---|"]
+        for row in micro["rows"]:
+            lines.append(
+                f"| {row['payload_bytes'] / 2**20:.0f} MiB | {row['raw_gbps']:.2f} | "
+                f"{row['pdserve_tcp_gbps']:.2f} | {row['ratio']:.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"

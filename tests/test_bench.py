@@ -1,0 +1,162 @@
+"""The benchmark's own logic: arrivals, workloads, SSE parsing, percentiles and goodput, and the
+report (markdown with ratios, plots)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from pdserve.bench.client import DONE, apply_event, parse_sse_line
+from pdserve.bench.report import markdown_table, plot, read_records, write_json
+from pdserve.bench.stats import RequestRecord, goodput, percentile, summarize
+from pdserve.bench.workload import TOKEN_RANGE, Workload, arrival_times, build_requests
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_exponential_gaps():
+    times = arrival_times("poisson", 4.0, 20_000, random.Random(1))
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert times[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.03)
+    # exponential: standard deviation equals the mean, and P(gap > mean) = e^-1
+    assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.05)
+    assert sum(g > 0.25 for g in gaps) / len(gaps) == pytest.approx(0.368, abs=0.02)
+    assert times == arrival_times("poisson", 4.0, 20_000, random.Random(1))  # seeded
+
+
+def test_fixed_rate_arrivals_are_evenly_spaced():
+    assert arrival_times("fixed", 2.0, 4, random.Random(0)) == [0.0, 0.5, 1.0, 1.5]
+    with pytest.raises(ValueError, match="positive"):
+        arrival_times("fixed", 0, 4, random.Random(0))
+
+
+def test_workloads_have_exact_lengths():
+    fixed = build_requests(Workload("fixed", 100, 20), 5, "fixed", 1.0)
+    assert [len(r.prompt_token_ids) for r in fixed] == [100] * 5
+    assert all(TOKEN_RANGE[0] <= t < TOKEN_RANGE[1] for r in fixed for t in r.prompt_token_ids)
+    spread = build_requests(Workload("random", prompt_range=(10, 20), output_range=(3, 5)), 200,
+                            "concurrency", 0)  # fmt: skip
+    assert {len(r.prompt_token_ids) for r in spread} == set(range(10, 21))
+    assert {r.max_tokens for r in spread} == {3, 4, 5}
+    assert all(r.at_s is None for r in spread)
+
+
+def test_interference_adds_periodic_long_prompts_within_the_run():
+    workload = Workload("interference", 32, 64, long_prompt_len=1000, long_every_s=10)
+    requests = build_requests(workload, 40, "fixed", 1.0)  # steady requests over 0..39 s
+    long = [r for r in requests if r.kind == "long"]
+    assert [r.at_s for r in long] == [5.0, 15.0, 25.0, 35.0]
+    assert all(len(r.prompt_token_ids) == 1000 for r in long)
+    assert [r.at_s for r in requests] == sorted(r.at_s for r in requests)
+    with pytest.raises(ValueError, match="timed arrivals"):
+        build_requests(workload, 4, "concurrency", 0)
+
+
+def test_sse_lines_parse_to_payloads_done_or_nothing():
+    assert parse_sse_line('data: {"choices": [{"text": "hi"}]}') == {"choices": [{"text": "hi"}]}
+    assert parse_sse_line("data: [DONE]") == DONE
+    assert parse_sse_line("") is None
+    assert parse_sse_line(": keep-alive") is None
+    assert parse_sse_line("event: message") is None
+    with pytest.raises(ValueError, match="malformed"):
+        parse_sse_line("data: {not json")
+
+
+def test_stream_events_build_a_record():
+    record = RequestRecord(0, "steady", 10, sent_s=1.0)
+    for now, line in [
+        (1.5, 'data: {"choices": [{"text": "a"}]}'),
+        (1.6, 'data: {"choices": [{"text": "b"}]}'),
+        (1.8, 'data: {"choices": [{"text": "c"}]}'),
+        (1.8, 'data: {"choices": [], "usage": {"completion_tokens": 4}}'),
+    ]:
+        apply_event(record, parse_sse_line(line), now)
+    record.end_s = 1.9
+    assert record.ttft == pytest.approx(0.5)
+    assert record.output_tokens == 4  # the usage event wins over the chunk count
+    assert [g for _, g in record.itls()] == pytest.approx([0.1, 0.2])
+    assert record.tpot == pytest.approx((0.9 - 0.5) / 3)
+    failed = RequestRecord(1, "steady", 10, 0.0)
+    apply_event(failed, parse_sse_line('data: {"error": {"type": "engine_error", "message": '
+                                       '"decode node failed"}}'), 1.0)  # fmt: skip
+    assert failed.error == "engine_error: decode node failed" and not failed.ok
+
+
+def test_percentiles_interpolate_like_numpy():
+    values = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert percentile(values, 50) == 5.5
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([], 50) is None
+
+
+def _record(index, ttft, tpot, tokens=11, kind="steady", error=None):
+    record = RequestRecord(index, kind, 10, sent_s=0.0, error=error)
+    record.token_times_s = [ttft + i * tpot for i in range(tokens)]
+    record.token_counts = [1] * tokens
+    record.output_tokens = tokens
+    record.end_s = record.token_times_s[-1] if error is None else None
+    return record
+
+
+def test_goodput_counts_requests_meeting_both_slos():
+    records = [
+        _record(0, 0.5, 0.05),  # good
+        _record(1, 3.0, 0.05),  # TTFT too slow
+        _record(2, 0.5, 0.30),  # TPOT too slow
+        _record(3, 0.5, 0.05, error="timeout"),  # failed
+        _record(4, 1.9, 0.09),  # good
+    ]
+    assert goodput(records, 10.0, ttft_slo_s=2.0, tpot_slo_s=0.1) == pytest.approx(0.2)
+    summary = summarize(records, 10.0, 2.0, 0.1)
+    assert summary["completed"] == 4 and summary["errors"] == 1
+    assert summary["request_throughput"] == pytest.approx(0.4)
+    assert summary["output_tokens_per_s"] == pytest.approx(4.4)
+    assert summary["ttft_s"]["p50"] == pytest.approx(1.2)
+
+
+def test_long_prompts_are_reported_apart():
+    records = [_record(0, 0.2, 0.05), _record(1, 4.0, 0.05, kind="long")]
+    summary = summarize(records, 10.0, 2.0, 0.1)
+    assert summary["ttft_s"]["p99"] == pytest.approx(0.2)
+    assert summary["long_prompt_ttft_s"]["p50"] == pytest.approx(4.0)
+    assert summary["goodput"] == pytest.approx(0.1)
+
+
+def test_report_puts_runs_side_by_side_with_ratios(tmp_path):
+    a = summarize([_record(0, 0.4, 0.05)], 10.0, 2.0, 0.1)
+    b = summarize([_record(0, 0.2, 0.10)], 10.0, 2.0, 0.1)
+    table = markdown_table({"disaggregated": a, "colocated": b})
+    assert table.splitlines()[0] == "| metric | disaggregated | colocated | ratio |"
+    ttft = next(line for line in table.splitlines() if line.startswith("| TTFT p50"))
+    assert ttft == "| TTFT p50 (s) | 0.400 | 0.200 | 2.00× |"
+    records = {"disaggregated": [_record(0, 0.4, 0.05), _record(1, 1.0, 0.05, kind="long")]}
+    files = plot(tmp_path, records)
+    assert [f.name for f in files] == ["latency_cdf.png", "itl_over_time.png"]
+    assert all(f.stat().st_size > 10_000 for f in files)
+
+
+def test_records_round_trip_through_jsonl(tmp_path):
+    records = {"colocated": [_record(0, 0.4, 0.05), _record(1, 0.2, 0.05, error="timeout")]}
+    write_json(tmp_path, {"runs": {}}, records)
+    assert read_records(tmp_path / "records.jsonl") == records
+    assert json.loads((tmp_path / "results.json").read_text()) == {"runs": {}}
+
+
+def test_report_command_recomputes_a_folder_with_other_slos(tmp_path):
+    from pdserve.cli import main
+
+    records = {"colocated": [_record(0, 0.4, 0.05), _record(1, 2.5, 0.05)]}
+    settings = {"workload": "fixed", "ttft_slo_s": 3.0, "tpot_slo_s": 0.1}
+    runs = {"colocated": summarize(records["colocated"], 10.0, 3.0, 0.1)}
+    write_json(tmp_path, {"settings": settings, "runs": runs}, records)
+    assert runs["colocated"]["goodput"] == pytest.approx(0.2)
+    assert main(["bench", "report", str(tmp_path), "--ttft-slo-s", "1.0"]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again["runs"]["colocated"]["goodput"] == pytest.approx(0.1)
+    assert again["settings"]["ttft_slo_s"] == 1.0
+    assert "| inter-token latency max (s) |" in (tmp_path / "results.md").read_text()
+    assert main(["bench", "report", str(tmp_path / "missing")]) == 2
