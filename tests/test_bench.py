@@ -160,3 +160,21 @@ def test_report_command_recomputes_a_folder_with_other_slos(tmp_path):
     assert again["settings"]["ttft_slo_s"] == 1.0
     assert "| inter-token latency max (s) |" in (tmp_path / "results.md").read_text()
     assert main(["bench", "report", str(tmp_path / "missing")]) == 2
+
+
+def test_bench_refuses_bad_settings_and_unreachable_endpoints(tmp_path, capsys):
+    import socket
+
+    from pdserve.cli import main
+
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    out = str(tmp_path / "out")
+    assert main(["bench", "run", "--url", url, "--num-requests", "2", "--out", out]) == 2
+    assert f"cannot reach {url}" in capsys.readouterr().err
+    assert main(["bench", "run", "--url", url, "--rate", "0", "--out", out]) == 2
+    assert "--rate must be positive" in capsys.readouterr().err
+    args = ["bench", "run", "--url", url, "--workload", "interference", "--arrivals", "concurrency"]
+    assert main([*args, "--out", out]) == 2
+    assert "needs timed arrivals" in capsys.readouterr().err

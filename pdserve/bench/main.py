@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from pdserve.bench import compare
 from pdserve.bench.client import run_load, served_model
 from pdserve.bench.report import markdown_table, plot, read_records, write_json
@@ -175,10 +177,40 @@ def _quiet() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
+class BenchError(Exception):
+    """A benchmark that cannot run as asked (bad settings, unreachable endpoint)."""
+
+
+def _checked(func):
+    """Turn setting and connection errors into one line on stderr and exit status 2."""
+
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except (BenchError, ValueError, httpx.HTTPError) as error:
+            print(f"pdserve bench {args.bench_command}: {error}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+def _check_settings(args: argparse.Namespace) -> None:
+    for name in ("num_requests", "concurrency", "rate", "ttft_slo_s", "tpot_slo_s"):
+        if getattr(args, name) <= 0:
+            raise BenchError(f"--{name.replace('_', '-')} must be positive")
+
+
+@_checked
 def cmd_run(args: argparse.Namespace) -> int:
     _quiet()
+    _check_settings(args)
     requests = _requests(args)
-    records, duration = asyncio.run(_measure(args.url, requests, args, args.model, args.api_key))
+    try:
+        records, duration = asyncio.run(
+            _measure(args.url, requests, args, args.model, args.api_key)
+        )
+    except httpx.HTTPError as error:
+        raise BenchError(f"cannot reach {args.url}: {error}") from None
     summary = summarize(records, duration, args.ttft_slo_s, args.tpot_slo_s)
     results = {"settings": _settings(args), "machine": _machine(), "runs": {args.label: summary}}
     text = f"# pdserve bench: {args.label} ({args.url})\n\n" + markdown_table({args.label: summary})
@@ -186,8 +218,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] else 1
 
 
+@_checked
 def cmd_compare(args: argparse.Namespace) -> int:
     _quiet()
+    _check_settings(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     requests = _requests(args)
