@@ -25,6 +25,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pdserve.engine import TokenDelta
 from router.errors import DeadlineExceeded, EngineFailed, PoolUnavailable
+from router.metrics.balance import counters
 from router.policies import RoutingPolicy, make_policy
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Node:
     restarting: bool = False
     missed_checks: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
-    """(monotonic time, stats) of recent health checks: the metrics' rate windows."""
+    """(monotonic time, counters) of recent health checks: the metrics' rate windows."""
 
 
 class Pool:
@@ -140,7 +141,7 @@ class Pool:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 healthy = await node.handle.check_health.remote()
                 node.stats = await node.handle.stats.remote()
-                node.history.append((time.monotonic(), node.stats))
+                node.history.append((time.monotonic(), counters(node.stats)))
         except NODE_FAILURES as error:  # the actor died or is restarting: out of the pool now
             self.mark_failed(node, f"health check: {type(error).__name__}")
             return

@@ -124,7 +124,6 @@ class KVStatsTotals:
 
     counters: Counter = field(default_factory=Counter)
     gauges: dict[str, float] = field(default_factory=dict)
-    recent_transfers: list[tuple[int, float]] = field(default_factory=list)
     failed_requests: dict[str, tuple[str, str]] = field(default_factory=dict)
     """vLLM request id -> (reason, message) of recent failed pulls."""
 
@@ -133,8 +132,6 @@ class KVStatsTotals:
             return
         self.counters.update(data.get("counters", {}))
         self.gauges.update(data.get("gauges", {}))
-        self.recent_transfers.extend(tuple(t) for t in data.get("transfers", []))
-        del self.recent_transfers[:-1000]
         for request_id, reason, message in data.get("failed_requests", []):
             self.failed_requests[request_id] = (reason, message)
         while len(self.failed_requests) > 1000:
@@ -151,5 +148,4 @@ class KVStatsTotals:
         return {
             "counters": dict(self.counters),
             "gauges": dict(self.gauges),
-            "recent_transfers": list(self.recent_transfers),
         }

@@ -20,6 +20,19 @@ BALANCE_FLOOR = 0.01
 """Loads below this count as this much in the balance ratio (two idle pools read as 1)."""
 
 
+COUNTERS = (
+    "estimated_flops_total",
+    "estimated_bytes_total",
+    "busy_seconds_total",
+    "prompt_busy_seconds_total",
+)
+"""The stats counters a rate window needs (all a node's history keeps)."""
+
+
+def counters(stats: dict) -> dict[str, float]:
+    return {key: stats.get(key, 0.0) for key in COUNTERS}
+
+
 @dataclass(frozen=True)
 class Window:
     """Rates over a node's recent stats samples (oldest and newest within the window)."""
@@ -43,13 +56,7 @@ class Window:
         def delta(key: str) -> float:
             return max(0.0, newest.get(key, 0.0) - oldest.get(key, 0.0)) / dt
 
-        return cls(
-            dt,
-            delta("estimated_flops_total"),
-            delta("estimated_bytes_total"),
-            delta("busy_seconds_total"),
-            delta("prompt_busy_seconds_total"),
-        )
+        return cls(dt, *(delta(key) for key in COUNTERS))
 
 
 def node_load(stats: dict, window: Window | None) -> float:
