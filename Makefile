@@ -15,7 +15,7 @@ test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "logic or sockets" $(PYTEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -49,13 +49,14 @@ def serve(max_blocks: int, ports, stop) -> None:
     """Child process: a raw sender and a pdserve KV server over the same cache memory."""
     import threading
 
-    from pdserve.kv.lease import ProducerTable
     from pdserve.kv.stats import TransferStats
-    from pdserve.kv.transport.tcp import TcpTransport, _tune
+    from pdserve.kv.transport.tcp import TcpPlane, _tune
+    from prefill_node.kv_server import KVServer
+    from prefill_node.leases import ProducerTable
 
     kv = caches(max_blocks, fill=True)
-    transport = TcpTransport(layout_of(kv), kv, lambda: SECRET, TransferStats())
-    kv_port = transport.start_server(ProducerTable())
+    server = KVServer(TcpPlane(layout_of(kv), kv), ProducerTable(), lambda: SECRET, TransferStats())
+    kv_port = server.start()
     payload = bytearray(b"\x01" * (max_blocks * BLOCK_BYTES * LAYERS))
     raw = socket.create_server(("127.0.0.1", 0))
 
@@ -117,8 +118,8 @@ def main() -> None:
     parser.add_argument("--out", default="results/kv_transport.json")
     args = parser.parse_args()
 
-    from pdserve.kv.stats import TransferStats
-    from pdserve.kv.transport.tcp import TcpTransport
+    from decode_node.kv_client import KVClient
+    from pdserve.kv.transport.tcp import TcpPlane
 
     sizes = {mib: -(-mib * 2**20 // (BLOCK_BYTES * LAYERS)) for mib in args.sizes_mib}
     max_blocks = max(sizes.values())
@@ -128,7 +129,7 @@ def main() -> None:
     server.start()
     raw_port, kv_port = ports.get(timeout=120)
     local = caches(max_blocks, fill=False)
-    client = TcpTransport(layout_of(local), local, lambda: SECRET, TransferStats())
+    client = KVClient(TcpPlane(layout_of(local), local), lambda: SECRET)
     target = memoryview(bytearray(b"\x01" * (max_blocks * BLOCK_BYTES * LAYERS)))
     rng = random.Random(0)
     rows = []

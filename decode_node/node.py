@@ -1,20 +1,89 @@
-"""A decode node: a Ray actor hosting vLLM with pdserve's KV connector as consumer.
+"""A decode node: a Ray actor hosting vLLM whose KV connector plays the consumer.
 
-Life of a request here: the router sends the prompt plus the prefill node's first token, with the
-prefill node's handle in `kv_transfer_params`; the connector pulls the prompt's KV blocks into
-this engine's paged cache (the request waits in WAITING_FOR_REMOTE_KVS meanwhile), and decoding
-continues from the first token. If the pull fails, `kv_transfer.failure_policy` decides:
-`recompute` computes the prefill here, `fail` ends the request with KVLoadFailed. Without a handle
-(the router's fallback when no prefill node is healthy) the node serves the whole request itself.
+Life of a request here:
+1. The router calls `decode(request_id, prompt_token_ids, params, first_token_ids, handle)`:
+   the prompt, the prefill node's first token and its KV handle.
+2. The node runs prompt + first token with the rest of the client's budget (`max_tokens - 1`),
+   the handle in `kv_transfer_params`. The consumer half of the connector (`kv_consumer.py`)
+   pulls the prompt's KV blocks into this engine's paged cache (`kv_client.py`) while the request
+   waits in WAITING_FOR_REMOTE_KVS; decoding then continues from the first token, exactly as one
+   engine would after its own prefill.
+3. If the pull fails, `kv_transfer.failure_policy` decides: `recompute` computes the prefill
+   here (the client sees nothing), `fail` ends the request with `KVLoadFailed` naming the reason.
+Without a handle — the router's fallback when no prefill node is healthy — the node serves the
+whole request itself (`generate`, from the engine actor).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
 from pdserve.config import PDServeConfig
-from pdserve.engine import create_pool_node
+from pdserve.engine.actor import EngineActor, create_engine_actor
+from pdserve.engine.types import KVLoadFailed, TokenDelta
+from pdserve.kv import vllm_kv_transfer_config
+
+FAILURE_REASON_WAIT_S = 2.0
+"""How long to wait for the connector's reason for a failed pull (it arrives with the same or
+the next engine step's stats)."""
+
+
+def decode_params(params: Any, handle: dict[str, Any]) -> Any:
+    """The client's sampling parameters for what follows the first token, loading the KV."""
+    rest = params.clone()
+    rest.max_tokens = params.max_tokens - 1
+    rest.min_tokens = max(0, params.min_tokens - 1)
+    rest.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handle}
+    return rest
+
+
+class DecodeNode(EngineActor):
+    async def decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        first_token_ids: list[int],
+        handle: dict[str, Any],
+    ) -> AsyncIterator[TokenDelta]:
+        """The tokens after the first, decoded from the prefill node's KV."""
+        params = decode_params(sampling_params, handle)
+        tokens = prompt_token_ids + first_token_ids
+        async for delta in self._run(request_id, tokens, params):
+            if delta.finish_reason == "error":
+                raise await self._kv_failure(request_id)
+            yield replace(delta, num_prompt_tokens=len(prompt_token_ids))
+
+    async def _kv_failure(self, request_id: str) -> KVLoadFailed:
+        """The reason the connector recorded for this request's failed pull (vLLM suffixes the
+        request id it sees)."""
+        deadline = time.monotonic() + FAILURE_REASON_WAIT_S
+        while time.monotonic() < deadline:
+            for internal, why in reversed(self._collector.kv_failures.items()):
+                if internal == request_id or internal.startswith(request_id + "-"):
+                    return KVLoadFailed(*why)
+            await asyncio.sleep(0.02)
+        return KVLoadFailed("unknown", "the engine reported a KV load failure")
 
 
 def create_decode_node(
     config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
 ):
-    return create_pool_node(config, "decode", "kv_consumer", model_dir, served, replica, secret)
+    """Place decode node `replica` with the decode pool's resources; `.start.remote()` next."""
+    kv, pool = config.kv_transfer, config.pools.decode
+    return create_engine_actor(
+        DecodeNode,
+        f"pdserve-decode-{replica}",
+        model_dir,
+        served,
+        config.engine,
+        pool,
+        replica,
+        kv_transfer=vllm_kv_transfer_config(
+            "kv_consumer", kv.connector_settings(secret, 0), kv.failure_policy
+        ),
+    )

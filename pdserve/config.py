@@ -12,6 +12,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pdserve.kv.settings import DEFAULTS as KV_DEFAULTS
+from pdserve.kv.settings import ConnectorSettings
+
 DEFAULT_MODEL = "default"
 """Model name that means the embedded SmolLM2-135M-Instruct built by `pdserve model prepare`."""
 
@@ -104,26 +107,41 @@ class RouterConfig(_Strict):
     """Model name clients use. None: the model folder's name."""
     policy: Literal["least_outstanding", "power_of_two", "round_robin"] = "least_outstanding"
     """How a node is chosen in each pool (see router/policies.py)."""
+    max_attempts: int = Field(3, ge=1)
+    """Times a request may run when nodes fail under it (router/retry.py says when)."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
 
 
 class KVTransferConfig(_Strict):
-    transport: Literal["tcp", "nccl"] = "tcp"
+    """The KV hand-over between pools; defaults are the connector's own (pdserve/kv/settings.py)."""
+
+    transport: Literal["tcp", "nccl"] = KV_DEFAULTS.transport
     """Data plane for KV blocks: `tcp` (sockets, any host) or `nccl` (GPU to GPU)."""
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
-    host: str = "127.0.0.1"
+    host: str = KV_DEFAULTS.host
     """Address each prefill node's KV server binds to. "0.0.0.0" on a multi-host cluster: decode
     nodes are then told the prefill host's Ray node address."""
-    port: int = Field(0, ge=0, le=65535)
+    port: int = Field(KV_DEFAULTS.port, ge=0, le=65535)
     """First port of the KV servers (0: pick free ports)."""
     secret: str | None = None
     """Shared cluster secret for the KV handshake. None: a random one per `serve` run."""
-    lease_s: float = Field(30.0, gt=0)
+    lease_s: float = Field(KV_DEFAULTS.lease_s, gt=0)
     """How long a prefill node holds KV blocks waiting for the decode node to pull them."""
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(KV_DEFAULTS.timeout_s, gt=0)
     """Deadline for one KV pull."""
+
+    def connector_settings(self, secret: str, port: int) -> ConnectorSettings:
+        """The connector's settings for one engine (its KV server port and the run's secret)."""
+        return ConnectorSettings(
+            host=self.host,
+            port=port,
+            transport=self.transport,
+            lease_s=self.lease_s,
+            timeout_s=self.timeout_s,
+            secret=secret,
+        )
 
 
 class RayConfig(_Strict):

@@ -20,7 +20,6 @@ from pathlib import Path
 import ray
 
 from pdserve.config import DEFAULT_MODEL, PDServeConfig
-from pdserve.engine import create_engine_actor
 from pdserve.model_prep import prepare_default_model
 from pdserve.roofline.serving import default_chunk_size
 
@@ -72,17 +71,19 @@ def _init_ray(config: PDServeConfig) -> bool:
 def _start_pools(config: PDServeConfig, model_dir: Path, served: str) -> dict[str, list]:
     """Place every node of the configured mode's pools: {pool name: [actor, ...]}."""
     if config.mode == "colocated":
+        from pdserve.engine.actor import EngineActor, create_engine_actor
+
         pool = config.pools.colocated
         return {
             "colocated": [
                 create_engine_actor(
+                    EngineActor,
                     f"pdserve-colocated-{replica}",
                     str(model_dir),
                     served,
                     config.engine,
                     pool,
                     replica,
-                    max_restarts=pool.max_restarts,
                 )
                 for replica in range(pool.replicas)
             ]
@@ -104,17 +105,21 @@ def _start_pools(config: PDServeConfig, model_dir: Path, served: str) -> dict[st
 
 
 def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list]):
+    """The router's pools (nodes reached through Ray) and the dispatcher over them."""
     from router.dispatch import Colocated, Disaggregated
-    from router.pools import Node, Pool
+    from router.nodes import Node
+    from router.policies import make_policy
+    from router.pools import Pool
+    from router.ray_nodes import RayNodeClient
 
     built = {
         name: Pool(
             name,
             [
-                Node(info["name"], actor, info)
+                Node(info.name, RayNodeClient(actor), info)
                 for actor, info in zip(actors, infos[name], strict=True)
             ],
-            config.router.policy,
+            make_policy(config.router.policy, role=name),
         )
         for name, actors in pools.items()
     }
@@ -143,7 +148,7 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-async def _serve(state, config: PDServeConfig, on_ready) -> None:
+async def _serve(service, config: PDServeConfig, on_ready) -> None:
     """Serve HTTP and gRPC until SIGINT/SIGTERM, with the pools' health watchers alongside;
     then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
@@ -156,17 +161,16 @@ async def _serve(state, config: PDServeConfig, on_ready) -> None:
         def capture_signals(self):
             yield
 
-    pools = list(state.dispatcher.pools.values())
+    pools = list(service.dispatcher.pools.values())
     for pool in pools:
         pool.start_watching()
-    host = config.router.host
+    host, key = config.router.host, config.router.api_key
     grpc_server, grpc_port, grpc_health = await create_server(
-        state, f"{host}:{config.router.grpc_port}"
+        service, f"{host}:{config.router.grpc_port}", key
     )
+    app = create_app(service, key)
     http = _Server(
-        uvicorn.Config(
-            create_app(state), host=host, port=config.router.http_port, log_level="warning"
-        )
+        uvicorn.Config(app, host=host, port=config.router.http_port, log_level="warning")
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -184,9 +188,11 @@ async def _serve(state, config: PDServeConfig, on_ready) -> None:
 
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
+    from router.admission import Admission
     from router.frontend import Frontend
     from router.metrics import RouterMetrics
-    from router.openai_http import RouterState
+    from router.retry import RetryPolicy
+    from router.service import RouterService
 
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -206,21 +212,22 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
         for (name, _), info in zip(names, started_infos, strict=True):
             infos[name].append(info)
             logger.info(
-                "%s engine %s up in %.1f s (pid %s)",
-                name,
-                info["name"],
-                info["start_s"],
-                info["pid"],
+                "%s engine %s up in %.1f s (pid %s)", name, info.name, info.start_s, info.pid
             )
         dispatcher = _build_dispatcher(config, pools, infos)
-        frontend = Frontend(str(model_dir), served, started_infos[0]["max_model_len"])
+        frontend = Frontend(str(model_dir), served, started_infos[0].max_model_len)
         metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
-        for pool in dispatcher.pools.values():
-            pool.metrics = metrics
-        state = RouterState(
-            frontend=frontend, dispatcher=dispatcher, config=config.router, metrics=metrics
+        metrics.watch(dispatcher)
+        admission = Admission(config.router.max_outstanding_requests)
+        service = RouterService(
+            frontend,
+            dispatcher,
+            metrics,
+            admission,
+            RetryPolicy(config.router.max_attempts),
+            config.router.request_timeout_s,
         )
-        metrics.in_flight.set_function(lambda: state.outstanding)
+        metrics.in_flight.set_function(lambda: admission.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())
 
         def on_ready(host: str, port: int, grpc_port: int) -> None:
@@ -239,7 +246,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 urls = {"http": f"http://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
                 Path(ready_file).write_text(json.dumps(urls))
 
-        asyncio.run(_serve(state, config, on_ready))
+        asyncio.run(_serve(service, config, on_ready))
         logger.info("HTTP and gRPC servers stopped; shutting down")
         return 0
     finally:

@@ -1,19 +1,65 @@
-"""A prefill node: a Ray actor hosting vLLM with pdserve's KV connector as producer.
+"""A prefill node: a Ray actor hosting vLLM whose KV connector plays the producer.
 
-Life of a request here: the router sends the tokenized prompt with `max_tokens=1` and
-`kv_transfer_params={"do_remote_decode": True}`; the engine computes the prompt's KV cache and
-the first token; the connector keeps the request's blocks under a lease and returns the handle
-(address, ports, request id, block ids, lease) with the final delta; the decode node then pulls
-the blocks, and the producer frees them on its confirmation or when the lease ends.
+Life of a request here:
+1. The router calls `prefill(request_id, prompt_token_ids, params)` with the client's sampling
+   parameters. The node runs the prompt with `max_tokens=1` and asks its connector to keep the KV
+   for a remote decode (`do_remote_decode`).
+2. The engine computes the prompt's KV cache and samples the first token, which streams back at
+   once (the client's time to first token is this node's).
+3. When the request finishes, the producer half of the connector (`kv_producer.py`) keeps its
+   blocks under a lease and returns the handle (address, ports, request id, block ids, signed
+   lease) with the last delta; the router hands it to a decode node.
+4. The decode node pulls the blocks from this node's KV server (`kv_server.py`); the lease table
+   (`leases.py`) frees them when the pull completes or when the lease ends.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 from pdserve.config import PDServeConfig
-from pdserve.engine import create_pool_node
+from pdserve.engine.actor import EngineActor, create_engine_actor
+from pdserve.engine.types import TokenDelta
+from pdserve.kv import vllm_kv_transfer_config
+from pdserve.kv.handle import producer_params
+
+
+def prefill_params(params: Any) -> Any:
+    """The client's sampling parameters, cut to the first token, keeping the KV for a decode."""
+    first = params.clone()
+    first.max_tokens = 1
+    first.min_tokens = min(params.min_tokens, 1)
+    first.extra_args = {**(params.extra_args or {}), "kv_transfer_params": producer_params()}
+    return first
+
+
+class PrefillNode(EngineActor):
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
+    ) -> AsyncIterator[TokenDelta]:
+        """The first token of a request; the last delta carries the KV handle."""
+        params = prefill_params(sampling_params)
+        async for delta in self._run(request_id, prompt_token_ids, params):
+            yield delta
 
 
 def create_prefill_node(
     config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
 ):
-    return create_pool_node(config, "prefill", "kv_producer", model_dir, served, replica, secret)
+    """Place prefill node `replica` with the prefill pool's resources; `.start.remote()` next.
+    Its KV server listens on `kv_transfer.port + replica` (or a free port when that is 0)."""
+    kv, pool = config.kv_transfer, config.pools.prefill
+    port = kv.port + replica if kv.port else 0
+    return create_engine_actor(
+        PrefillNode,
+        f"pdserve-prefill-{replica}",
+        model_dir,
+        served,
+        config.engine,
+        pool,
+        replica,
+        kv_transfer=vllm_kv_transfer_config(
+            "kv_producer", kv.connector_settings(secret, port), kv.failure_policy
+        ),
+    )

@@ -1,7 +1,8 @@
-"""Failure classes a request can end in, and their HTTP status codes, in one place.
+"""Failure classes a request can end in, and their HTTP and gRPC status codes, in one place.
 
-A bad request is not a dead engine: each class names what went wrong so the edge (HTTP now, gRPC
-later) can answer with the right code and a message that says why.
+A bad request is not a dead engine: each class names what went wrong so both edges (HTTP in
+openai_http.py, gRPC in grpc_api.py) answer with the right code and a message that says why.
+`kind` is also the `outcome` label of `pdserve_requests_total`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ class RequestError(Exception):
     """A request that cannot be served; `http_status` and `kind` go into the error body."""
 
     http_status = 500
+    grpc_status = "INTERNAL"
+    """Name of the grpc.StatusCode member (kept as a name so this module imports nothing)."""
     kind = "internal_error"
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -21,16 +24,19 @@ class RequestError(Exception):
 
 class InvalidRequest(RequestError):
     http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
     kind = "invalid_request_error"
 
 
 class Unauthorized(RequestError):
     http_status = 401
+    grpc_status = "UNAUTHENTICATED"
     kind = "authentication_error"
 
 
 class ModelNotFound(RequestError):
     http_status = 404
+    grpc_status = "NOT_FOUND"
     kind = "model_not_found"
 
 
@@ -38,6 +44,7 @@ class Overloaded(RequestError):
     """Queues are full: retry later (HTTP 429 with Retry-After)."""
 
     http_status = 429
+    grpc_status = "RESOURCE_EXHAUSTED"
     kind = "rate_limit_exceeded"
 
 
@@ -45,11 +52,13 @@ class PoolUnavailable(RequestError):
     """No healthy node can take the request (HTTP 503)."""
 
     http_status = 503
+    grpc_status = "UNAVAILABLE"
     kind = "service_unavailable"
 
 
 class DeadlineExceeded(RequestError):
     http_status = 504
+    grpc_status = "DEADLINE_EXCEEDED"
     kind = "timeout"
 
 
@@ -58,6 +67,21 @@ class EngineFailed(RequestError):
 
     http_status = 500
     kind = "engine_error"
+
+
+class NodeFailed(EngineFailed):
+    """The node died or became unreachable while serving (router/retry.py may run the request
+    again); `pool` names the pool it belonged to, once the pool has seen it."""
+
+    def __init__(self, message: str, pool: str | None = None) -> None:
+        super().__init__(message)
+        self.pool = pool
+
+
+class KVTransferFailed(EngineFailed):
+    """The decode node could not load the prefill's KV and the failure policy is `fail`."""
+
+    kind = "kv_transfer_failed"
 
 
 def error_body(error: RequestError) -> dict:

@@ -7,25 +7,13 @@ This is the boundary: vLLM's OpenAI pydantic request classes come in, a plain do
 
 from __future__ import annotations
 
-import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from router.errors import InvalidRequest, ModelNotFound
-
-
-@dataclass
-class PreparedRequest:
-    request_id: str
-    kind: str  # "completion" | "chat"
-    prompt_token_ids: list[int]
-    sampling_params: Any  # vllm.SamplingParams
-    stream: bool
-    include_usage: bool
-    arrival: float = field(default_factory=time.monotonic)
+from router.request import PreparedRequest
 
 
 def _validation_message(error: ValidationError) -> tuple[str, str | None]:

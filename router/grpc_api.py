@@ -1,14 +1,16 @@
 """gRPC API (proto/pdserve/v1/generate.proto): server-streaming `Generate`, standard health
-(grpc.health.v1) and server reflection, served by the router next to HTTP.
+(grpc.health.v1) and server reflection — the gRPC edge of `RouterService` (router/service.py).
 
 A `GenerateRequest` is converted at this edge into the same OpenAI-shaped body the HTTP API
-validates (`Frontend.prepare`), so both APIs accept and reject exactly the same requests; errors
-map to gRPC status codes in one place (`STATUS_OF`). A cancelled call cancels the engine request.
+validates, so both APIs accept and reject exactly the same requests; protobuf types go no further
+than this module. Errors carry their gRPC status (router/errors.py). A cancelled call cancels the
+engine request.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -18,19 +20,15 @@ from grpc_reflection.v1alpha import reflection
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.errors import RequestError, Unauthorized
-from router.openai_http import Handler, RouterState
+from router.service import RouterService
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "pdserve.v1.Generation"
-STATUS_OF = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
+
+
+def _status(error: RequestError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.grpc_status)
 
 
 def _body(request: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
@@ -58,55 +56,49 @@ def _body(request: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, state: RouterState) -> None:
-        self.state = state
-        self.handler = Handler(state)
+    def __init__(self, service: RouterService, api_key: str | None) -> None:
+        self.service = service
+        self.api_key = api_key
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             self._check_auth(context)
             kind, body = _body(request)
-            prepared = self.state.frontend.prepare(kind, body)
-            self.handler.admit()
         except RequestError as error:
-            self.handler.rejected("grpc", error)
-            await context.abort(
-                STATUS_OF.get(error.http_status, grpc.StatusCode.INTERNAL), error.message
-            )
-        completion = 0
-        timer, outcome = self.handler.timer(prepared, "grpc"), "cancelled"
+            self.service.rejected("grpc", error)
+            await context.abort(_status(error), error.message)
         try:
-            async for delta in self.handler.deltas(prepared, timer):
-                completion += len(delta.token_ids)
-                reply = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
-                if delta.finish_reason:
-                    reply.finish_reason = delta.finish_reason
-                    reply.usage.prompt_tokens = len(prepared.prompt_token_ids)
-                    reply.usage.completion_tokens = completion
-                yield reply
-            outcome = "success"
+            admitted = self.service.open(kind, body, "grpc")
         except RequestError as error:
-            outcome = error.kind
-            await context.abort(
-                STATUS_OF.get(error.http_status, grpc.StatusCode.INTERNAL), error.message
-            )
-        finally:
-            self.state.outstanding -= 1
-            timer.finished(outcome)
+            await context.abort(_status(error), error.message)
+        completion, prompt_tokens = 0, len(admitted.prepared.prompt_token_ids)
+        try:
+            async with aclosing(self.service.stream(admitted)) as deltas:
+                async for delta in deltas:
+                    completion += len(delta.token_ids)
+                    reply = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+                    if delta.finish_reason:
+                        reply.finish_reason = delta.finish_reason
+                        reply.usage.prompt_tokens = prompt_tokens
+                        reply.usage.completion_tokens = completion
+                    yield reply
+        except RequestError as error:
+            await context.abort(_status(error), error.message)
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
-        key = self.state.config.api_key
-        if not key:
+        if not self.api_key:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {key}":
+        if metadata.get("authorization") != f"Bearer {self.api_key}":
             raise Unauthorized("missing or wrong API key (metadata `authorization: Bearer <key>`)")
 
 
-async def create_server(state: RouterState, address: str) -> tuple[grpc.aio.Server, int, Any]:
+async def create_server(
+    service: RouterService, address: str, api_key: str | None = None
+) -> tuple[grpc.aio.Server, int, Any]:
     """Build and start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(service, api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

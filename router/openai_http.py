@@ -1,9 +1,11 @@
-"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
+/metrics — the HTTP edge of `RouterService` (router/service.py).
 
-Life of a request: the body is parsed and checked by `Frontend.prepare` (400/404 on bad input),
-admitted against `max_outstanding_requests` (429 when full), then streamed from a node of the pool
-with the request's deadline. Streams are server-sent events ending in `data: [DONE]`; a client
-that disconnects cancels the engine-side request.
+Life of a request: the body is read and parsed as JSON, `RouterService.open` validates it (400/404
+on bad input), checks the pools (503) and admits it (429 when full); then it is streamed as
+server-sent events ending in `data: [DONE]`, or collected into one JSON response. A client that
+disconnects from a stream cancels the engine-side request. vLLM's own OpenAI protocol classes
+shape the responses, so the official `openai` client works unchanged.
 """
 
 from __future__ import annotations
@@ -12,15 +14,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.config import RouterConfig
-from pdserve.engine import TokenDelta
-from router.dispatch import Colocated, Disaggregated
+from pdserve.engine.types import TokenDelta
 from router.errors import (
     InvalidRequest,
     Overloaded,
@@ -29,22 +29,10 @@ from router.errors import (
     Unauthorized,
     error_body,
 )
-from router.frontend import Frontend, PreparedRequest
-from router.metrics import RequestTimer, RouterMetrics
-from router.pools import NodeFailed
+from router.request import PreparedRequest
+from router.service import Admitted, Collected, RouterService
 
 logger = logging.getLogger(__name__)
-
-MAX_ATTEMPTS = 3
-
-
-@dataclass
-class RouterState:
-    frontend: Frontend
-    dispatcher: Colocated | Disaggregated
-    config: RouterConfig
-    metrics: RouterMetrics
-    outstanding: int = 0
 
 
 def _error_response(error: RequestError) -> JSONResponse:
@@ -60,39 +48,23 @@ async def _json_body(request: Request) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
 
 
-def _check_auth(state: RouterState, request: Request) -> None:
-    key = state.config.api_key
-    if key and request.headers.get("authorization") != f"Bearer {key}":
+def _check_auth(api_key: str | None, request: Request) -> None:
+    if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
 
 
-class _Collected:
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.prompt_tokens = 0
+def _usage(got: Collected) -> Any:
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-    def add(self, delta: TokenDelta) -> None:
-        self.text.append(delta.text)
-        self.token_ids.extend(delta.token_ids)
-        self.finish_reason = delta.finish_reason or self.finish_reason
-        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
-        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
-
-    def usage(self) -> Any:
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
-
-        completion = len(self.token_ids)
-        return UsageInfo(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=self.prompt_tokens + completion,
-        )
+    completion = len(got.token_ids)
+    return UsageInfo(
+        prompt_tokens=got.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=got.prompt_tokens + completion,
+    )
 
 
-def _full_response(state: RouterState, prepared: PreparedRequest, got: _Collected) -> dict:
+def _full_response(served: str, prepared: PreparedRequest, got: Collected) -> dict:
     from vllm.entrypoints.openai.chat_completion.protocol import (
         ChatCompletionResponse,
         ChatCompletionResponseChoice,
@@ -103,7 +75,7 @@ def _full_response(state: RouterState, prepared: PreparedRequest, got: _Collecte
         CompletionResponseChoice,
     )
 
-    common = dict(id=prepared.request_id, model=state.frontend.served_name, usage=got.usage())
+    common = dict(id=prepared.request_id, model=served, usage=_usage(got))
     text = "".join(got.text)
     if prepared.kind == "completion":
         choice = CompletionResponseChoice(
@@ -119,7 +91,7 @@ def _full_response(state: RouterState, prepared: PreparedRequest, got: _Collecte
     return ChatCompletionResponse(choices=[choice], **common).model_dump(exclude_none=True)
 
 
-def _chunk(state: RouterState, prepared: PreparedRequest, delta: TokenDelta | None, first: bool):
+def _chunk(served: str, prepared: PreparedRequest, delta: TokenDelta | None, first: bool):
     from vllm.entrypoints.generate.base.protocol import DeltaMessage
     from vllm.entrypoints.openai.chat_completion.protocol import (
         ChatCompletionResponseStreamChoice,
@@ -132,7 +104,7 @@ def _chunk(state: RouterState, prepared: PreparedRequest, delta: TokenDelta | No
 
     text = delta.text if delta else ""
     finish = delta.finish_reason if delta else None
-    common = dict(id=prepared.request_id, model=state.frontend.served_name)
+    common = dict(id=prepared.request_id, model=served)
     if prepared.kind == "completion":
         choice = CompletionResponseStreamChoice(index=0, text=text, finish_reason=finish)
         return CompletionStreamResponse(choices=[choice], **common)
@@ -141,130 +113,52 @@ def _chunk(state: RouterState, prepared: PreparedRequest, delta: TokenDelta | No
     return ChatCompletionStreamResponse(choices=[choice], **common)
 
 
-def _usage_chunk(state: RouterState, prepared: PreparedRequest, got: _Collected):
-    chunk = _chunk(state, prepared, None, False)
+def _usage_chunk(served: str, prepared: PreparedRequest, got: Collected):
+    chunk = _chunk(served, prepared, None, False)
     chunk.choices = []
-    chunk.usage = got.usage()
+    chunk.usage = _usage(got)
     return chunk
 
 
-class Handler:
-    """Admission, deadline and the pool call shared by both generate endpoints."""
-
-    def __init__(self, state: RouterState) -> None:
-        self.state = state
-
-    def admit(self) -> None:
-        self.state.dispatcher.check_available()
-        if self.state.outstanding >= self.state.config.max_outstanding_requests:
-            raise Overloaded(
-                f"{self.state.outstanding} requests in flight (limit "
-                f"{self.state.config.max_outstanding_requests}); retry later"
-            )
-        self.state.outstanding += 1
-
-    def timer(self, prepared: PreparedRequest, api: str) -> RequestTimer:
-        return RequestTimer(self.state.metrics, api, prepared.arrival)
-
-    def rejected(self, api: str, error: RequestError) -> None:
-        """Count a request refused before it was admitted (bad input, auth, full, no pool)."""
-        self.state.metrics.requests.labels(api=api, outcome=error.kind).inc()
-
-    async def deltas(
-        self, prepared: PreparedRequest, timer: RequestTimer | None = None
-    ) -> AsyncIterator[TokenDelta]:
-        """The request's deltas; if a node dies before anything was yielded, the whole request
-        runs again (the dispatcher already retried its own leg; this covers a decode node that
-        died after the prefill, before the client saw a token)."""
-        deadline = prepared.arrival + self.state.config.request_timeout_s
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            yielded = False
-            try:
-                async for delta in self.state.dispatcher.deltas(prepared, deadline):
-                    yielded = True
-                    if timer is not None:
-                        timer.tokens_sent(len(delta.token_ids))
-                    yield delta
-                return
-            except NodeFailed:
-                if yielded or attempt == MAX_ATTEMPTS:
-                    raise
-                self.state.metrics.reruns.inc()
-                logger.warning(
-                    "%s: node failed before any output; attempt %d",
-                    prepared.request_id,
-                    attempt + 1,
-                )
-
-    async def complete(self, prepared: PreparedRequest) -> JSONResponse:
-        """Non-streamed: the client sees nothing until the end, so a node failure at any point
-        is retried (up to MAX_ATTEMPTS) before it becomes an error."""
-        outcome = "cancelled"
-        try:
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                got = _Collected()
-                timer = self.timer(prepared, "http")
-                try:
-                    async for delta in self.deltas(prepared, timer):
-                        got.add(delta)
-                    outcome = "success"
-                    return JSONResponse(_full_response(self.state, prepared, got))
-                except NodeFailed:
-                    if attempt == MAX_ATTEMPTS:
-                        raise
-                    self.state.metrics.reruns.inc()
-                    logger.warning("%s: node failed; running it again", prepared.request_id)
-        except RequestError as error:
-            outcome = error.kind
-            raise
-        finally:
-            self.state.outstanding -= 1
-            timer.finished(outcome)
-
-    async def sse(self, prepared: PreparedRequest) -> AsyncIterator[str]:
-        got = _Collected()
-        first = True
-        timer, outcome = self.timer(prepared, "http"), "cancelled"  # until it ends another way
-        try:
-            async for delta in self.deltas(prepared, timer):
+async def _sse(service: RouterService, request: Admitted) -> AsyncIterator[str]:
+    served, prepared = service.frontend.served_name, request.prepared
+    got, first = Collected(), True
+    try:
+        async with aclosing(service.stream(request)) as deltas:
+            async for delta in deltas:
                 got.add(delta)
-                chunk = _chunk(self.state, prepared, delta, first)
+                chunk = _chunk(served, prepared, delta, first)
                 first = False
                 yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-            if prepared.include_usage:
-                chunk = _usage_chunk(self.state, prepared, got)
-                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-            outcome = "success"
-        except RequestError as error:
-            outcome = error.kind
-            logger.warning("stream %s ended with %s: %s", prepared.request_id, error.kind, error)
-            yield f"data: {json.dumps(error_body(error))}\n\n"
-        finally:
-            self.state.outstanding -= 1
-            timer.finished(outcome)
-        yield "data: [DONE]\n\n"
+        if prepared.include_usage:
+            chunk = _usage_chunk(served, prepared, got)
+            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+    except RequestError as error:
+        logger.warning("stream %s ended with %s: %s", prepared.request_id, error.kind, error)
+        yield f"data: {json.dumps(error_body(error))}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def _node_view(node) -> dict:
     """What /health says of one node: health, process, and its last reported load."""
-    stats = node.stats or {}
+    stats = node.stats
     return {
         "name": node.name,
         "healthy": node.healthy,
-        "pid": node.info.get("pid"),
-        "ray_node_id": node.info.get("ray_node_id"),
-        "requests_total": stats.get("requests_started_total", 0),
+        "pid": node.info.pid if node.info else None,
+        "ray_node_id": node.info.ray_node_id if node.info else None,
+        "requests_total": stats.requests_started_total,
         "outstanding": node.outstanding,
-        "running": stats.get("running", 0),
-        "waiting": stats.get("waiting", 0),
-        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
-        "kv_blocks_held": stats.get("kv", {}).get("gauges", {}).get("blocks_held", 0),
+        "running": stats.running,
+        "waiting": stats.waiting,
+        "kv_cache_usage": stats.kv_cache_usage,
+        "kv_blocks_held": stats.kv.gauges.blocks_held,
     }
 
 
-def create_app(state: RouterState) -> FastAPI:
+def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
-    handler = Handler(state)
+    dispatcher = service.dispatcher
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, error: RequestError) -> JSONResponse:
@@ -277,18 +171,18 @@ def create_app(state: RouterState) -> FastAPI:
                 "healthy": len(pool.healthy_nodes()),
                 "nodes": [_node_view(n) for n in pool.nodes],
             }
-            for name, pool in state.dispatcher.pools.items()
+            for name, pool in dispatcher.pools.items()
         }
         try:
-            state.dispatcher.check_available()
+            dispatcher.check_available()
         except PoolUnavailable as error:
             body = {"status": "unavailable", "reason": error.message, "pools": pools}
             return JSONResponse(body, status_code=503)
         return JSONResponse(
             {
                 "status": "ok",
-                "mode": state.dispatcher.mode,
-                "outstanding": state.outstanding,
+                "mode": dispatcher.mode,
+                "outstanding": service.admission.outstanding,
                 "pools": pools,
             }
         )
@@ -297,11 +191,11 @@ def create_app(state: RouterState) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
-        _check_auth(state, request)
+        _check_auth(api_key, request)
         card = ModelCard(
-            id=state.frontend.served_name,
+            id=service.frontend.served_name,
             owned_by="pdserve",
-            max_model_len=state.frontend.max_model_len,
+            max_model_len=service.frontend.max_model_len,
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
@@ -309,17 +203,19 @@ def create_app(state: RouterState) -> FastAPI:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = service.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def generate(kind: str, request: Request):
         started = time.monotonic()
         try:
-            _check_auth(state, request)
-            prepared = state.frontend.prepare(kind, await _json_body(request))
-            handler.admit()
+            _check_auth(api_key, request)
+            body = await _json_body(request)
         except RequestError as error:
-            handler.rejected("http", error)
+            service.rejected("http", error)
             raise
+        admitted = service.open(kind, body, "http")
+        prepared = admitted.prepared
         logger.info(
             "%s: %d prompt tokens, max_tokens=%s, stream=%s (prepared in %.1f ms)",
             prepared.request_id,
@@ -329,8 +225,9 @@ def create_app(state: RouterState) -> FastAPI:
             (time.monotonic() - started) * 1e3,
         )
         if prepared.stream:
-            return StreamingResponse(handler.sse(prepared), media_type="text/event-stream")
-        return await handler.complete(prepared)
+            return StreamingResponse(_sse(service, admitted), media_type="text/event-stream")
+        got = await service.collect(admitted)
+        return JSONResponse(_full_response(service.frontend.served_name, prepared, got))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

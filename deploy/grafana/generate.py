@@ -199,7 +199,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "Fallbacks and retries",
                 [
                     (f"sum(rate(pdserve_prefill_fallbacks_total[{RATE}]))", "prefill fallbacks"),
-                    (f"sum by (pool) (rate(pdserve_retries_total[{RATE}]))", "{{pool}} retries"),
+                    (
+                        f"sum by (pool) (rate(pdserve_request_retries_total[{RATE}]))",
+                        "{{pool}} retries",
+                    ),
                 ],
                 unit="reqps",
             ),

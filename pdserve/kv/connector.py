@@ -2,76 +2,208 @@
 
     KVTransferConfig(kv_connector="PDServeConnector",
                      kv_connector_module_path="pdserve.kv.connector",
-                     kv_role="kv_producer" | "kv_consumer",
+                     kv_role="kv_producer" | "kv_consumer" | "kv_both",
                      kv_load_failure_policy="recompute" | "fail",
                      kv_connector_extra_config={"secret": ..., "transport": "tcp", ...})
 
-vLLM builds one instance per role: SCHEDULER (EngineCore process) delegates to `SchedulerSide`,
-WORKER (each worker process) to `WorkerSide`. Transfers are whole-request and pulled by the
-consumer after the prefill finished, so the per-layer hooks have nothing to do.
+vLLM builds one instance per role: SCHEDULER (EngineCore process) and WORKER (each worker
+process). Each instance holds the halves its `kv_role` asks for: the producer half lives with the
+prefill node (`prefill_node/kv_producer.py`), the consumer half with the decode node
+(`decode_node/kv_consumer.py`); `kv_both` holds both. The halves are looked up by name and
+imported lazily (`HALVES`), like the data planes, so this shared package imports neither role.
+Transfers are whole-request and pulled by the consumer after the prefill finished, so the
+per-layer hooks have nothing to do.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.request import RequestStatus
 
-from pdserve.kv.scheduler_side import SchedulerSide
+from pdserve.kv.layout import describe
 from pdserve.kv.settings import ConnectorSettings
-from pdserve.kv.stats import PDServeKVStats
-from pdserve.kv.worker_side import WorkerSide
+from pdserve.kv.stats import KVCounters, KVGauges, TransferStats, is_empty, merge_snapshots
+from pdserve.kv.transport import plane_class
 
 logger = logging.getLogger(__name__)
+
+HALVES = {
+    "producer": ("prefill_node.kv_producer", "ProducerScheduler", "ProducerWorker"),
+    "consumer": ("decode_node.kv_consumer", "ConsumerScheduler", "ConsumerWorker"),
+}
+"""Each half: (module, scheduler-side class, worker-side class)."""
+ROLE_HALVES = {
+    "kv_producer": ("producer",),
+    "kv_consumer": ("consumer",),
+    "kv_both": ("producer", "consumer"),
+}
+_NORMAL_FINISH = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _half(name: str, side: int) -> type:
+    module, *classes = HALVES[name]
+    return getattr(importlib.import_module(module), classes[side])
+
+
+@dataclass
+class PDServeMetadata(KVConnectorMetadata):
+    """One step's work for the workers: blocks to offer (producer) and pulls to start (consumer)."""
+
+    send: dict[str, Any] = field(default_factory=dict)
+    recv: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PDServeHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler after registering its caches: where it serves KV."""
+
+    port: int
+    tp_rank: int
+
+
+@dataclass
+class PDServeKVStats(KVConnectorStats):
+    """vLLM-facing wrapper: `data` is one `TransferStats.snapshot`, possibly aggregated."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return is_empty(self.data)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = merge_snapshots(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        if not self.data:
+            return {}
+        counters = KVCounters(**self.data["counters"])
+        summary = {k: v for k, v in vars(counters).items() if k != "failures"}
+        summary.update({f"failures_{k}": v for k, v in counters.failures.items()})
+        return {**summary, **self.data["gauges"]}
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_world_size,
+            get_tp_group,
+        )
+
+        return get_tp_group().rank_in_group, get_tensor_model_parallel_world_size()
+    except (AssertionError, AttributeError, RuntimeError):
+        return 0, 1
 
 
 class PDServeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = vllm_config.kv_transfer_config
-        settings = ConnectorSettings.from_extra(config.kv_connector_extra_config)
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._settings = ConnectorSettings.from_extra(config.kv_connector_extra_config)
+        self._halves = ROLE_HALVES[config.kv_role]
+        self._vllm_config = vllm_config
+        self.producer: Any = None
+        self.consumer: Any = None
+        self._stats: TransferStats | None = None
+        self._last_gauges: dict | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(settings, config.engine_id or "")
-        else:
-            self._worker = WorkerSide(settings, vllm_config, config.is_kv_producer)
+            if "producer" in self._halves:
+                self.producer = _half("producer", 0)(self._settings, config.engine_id or "")
+            if "consumer" in self._halves:
+                self.consumer = _half("consumer", 0)(self._settings)
 
     # ---- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.consumer is None:
+            return 0, False
+        return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.consumer is not None:
+            self.consumer.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return self._scheduler.build_connector_meta()
+        return PDServeMetadata(
+            send=self.producer.take_offers() if self.producer else {},
+            recv=self.consumer.take_pulls() if self.consumer else {},
+        )
 
     def request_finished(self, request, block_ids):
-        return self._scheduler.request_finished(request, block_ids)
+        if self.consumer is not None and self.consumer.is_receiving(request.request_id):
+            return True, None  # a pull still writes into these blocks: free them when it ends
+        if self.producer is None:
+            return False, None
+        normal = request.status in _NORMAL_FINISH
+        return self.producer.request_finished(request, block_ids, normal)
 
     def update_connector_output(self, connector_output):
-        self._scheduler.update_connector_output(connector_output)
+        if self.consumer is not None:
+            self.consumer.pulls_ended(set(connector_output.finished_recving or ()))
 
     def set_xfer_handshake_metadata(self, metadata):
-        self._scheduler.set_ports({rank: md.port for rank, md in metadata.items()})
+        if self.producer is not None:
+            self.producer.set_ports({rank: md.port for rank, md in metadata.items()})
 
     # ---- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches):
-        self._worker.register_kv_caches(kv_caches)
+        vllm_config, settings = self._vllm_config, self._settings
+        model_config = vllm_config.model_config
+        tp_rank, tp_size = _tp_rank_and_size()
+        layout = describe(
+            kv_caches,
+            model=model_config.model.rstrip("/").rsplit("/", 1)[-1],
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+            head_dim=model_config.get_head_size(),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            transport=settings.transport,
+        )
+        plane = plane_class(settings.transport)(
+            layout, kv_caches, rate_limit=settings.send_rate_limit_bytes_per_s
+        )
+        self._stats = TransferStats()
+        self._tp_rank = tp_rank
+        if "producer" in self._halves:
+            self.producer = _half("producer", 1)(settings, plane, self._stats, tp_rank)
+        if "consumer" in self._halves:
+            self.consumer = _half("consumer", 1)(settings, plane, self._stats, tp_rank)
+        logger.info(
+            "KV connector worker (%s): %d layers, %d B per block per layer",
+            "+".join(self._halves),
+            layout.num_layers,
+            layout.block_bytes,
+        )
 
     def get_handshake_metadata(self):
-        return self._worker.handshake()
+        if self._stats is None:
+            return None
+        port = self.producer.port if self.producer is not None else 0
+        return PDServeHandshake(port=port, tp_rank=self._tp_rank)
 
     def start_load_kv(self, forward_context, **kwargs):
-        self._worker.start_step(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        if self.producer is not None:
+            self.producer.offer(meta.send)
+        if self.consumer is not None:
+            self.consumer.start(meta.recv)
 
     def wait_for_layer_load(self, layer_name):
         """Nothing to wait for: whole requests are loaded before they are scheduled."""
@@ -83,19 +215,34 @@ class PDServeConnector(KVConnectorBase_V1):
         """Nothing to wait for (see save_kv_layer)."""
 
     def get_finished(self, finished_req_ids):
-        results = self._worker.transfer_results()
+        results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
-        return self._worker.transfer_results()
+        sent = self.producer.finished_sending() if self.producer is not None else set()
+        received, failed = self.consumer.results() if self.consumer is not None else (set(), set())
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
 
     def get_kv_connector_stats(self):
-        return self._worker.connector_stats() if self._worker else None
+        if self._stats is None:
+            return None
+        gauges = self.producer.gauges() if self.producer is not None else KVGauges()
+        snapshot = self._stats.snapshot(gauges)
+        changed = snapshot["gauges"] != self._last_gauges
+        self._last_gauges = snapshot["gauges"]
+        if is_empty(snapshot) and not changed:
+            return None
+        return PDServeKVStats(data=snapshot)
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):
         return PDServeKVStats(data=data or {})
 
     def shutdown(self):
-        if self._worker is not None:
-            self._worker.shutdown()
+        if self._stats is None:
+            return  # the scheduler side runs nothing of its own
+        for half in (self.producer, self.consumer):
+            if half is not None:
+                half.close()

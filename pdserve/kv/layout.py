@@ -6,27 +6,29 @@ so both sides must agree on every field of `KVLayout` before a byte moves.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
-
-from pdserve_proto.v1 import kv_transfer_pb2 as pb
-
-_COMPARED = (
-    "model",
-    "dtype",
-    "block_size",
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
-    "layout",
-    "block_bytes",
-    "tp_size",
-    "tp_rank",
-    "transport",
-)
 
 
 class LayoutError(ValueError):
     """A KV cache this connector cannot ship as whole blocks."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str
+    """Device type and per-layer shape after the block dimension, e.g. "cpu:[3, 128, 128]"."""
+    block_bytes: int
+    """Bytes of one block of one layer."""
+    tp_size: int
+    tp_rank: int
+    transport: str
 
 
 def describe(
@@ -38,7 +40,7 @@ def describe(
     tp_rank: int,
     tp_size: int,
     transport: str,
-) -> pb.KVLayout:
+) -> KVLayout:
     """Layout of the caches vLLM registered (`{layer_name: [blocks, ...] tensor}`)."""
     if not kv_caches:
         raise LayoutError("no KV cache layers were registered")
@@ -50,7 +52,7 @@ def describe(
     for name, tensor in kv_caches.items():
         if not tensor[0].is_contiguous() or tensor.stride(0) != tensor[0].numel():
             raise LayoutError(f"layer {name}: a block is not one contiguous run of memory")
-    return pb.KVLayout(
+    return KVLayout(
         model=model,
         dtype=str(first.dtype).removeprefix("torch."),
         block_size=block_size,
@@ -65,10 +67,10 @@ def describe(
     )
 
 
-def mismatch(ours: pb.KVLayout, theirs: pb.KVLayout) -> str | None:
+def mismatch(ours: KVLayout, theirs: KVLayout) -> str | None:
     """The first field that differs, said plainly; None when the layouts agree."""
-    for field in _COMPARED:
-        mine, other = getattr(ours, field), getattr(theirs, field)
+    for field in fields(KVLayout):
+        mine, other = getattr(ours, field.name), getattr(theirs, field.name)
         if mine != other:
-            return f"KV layout mismatch: {field} is {mine!r} here but {other!r} on the peer"
+            return f"KV layout mismatch: {field.name} is {mine!r} here but {other!r} on the peer"
     return None

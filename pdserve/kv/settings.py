@@ -1,19 +1,18 @@
-"""The connector's settings, read once from `kv_connector_extra_config`, and the messages its two
-halves exchange (scheduler → worker metadata, worker → scheduler handshake)."""
+"""The connector's settings, read once from vLLM's `kv_connector_extra_config`.
+
+This is the one place the KV defaults are written: `pdserve.config.KVTransferConfig` takes its
+defaults from here, and a plain vLLM server loading the connector gets the same ones.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-)
-
 SECRET_ENV = "PDSERVE_KV_SECRET"
+TRANSPORTS = ("tcp", "nccl")
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,7 @@ class ConnectorSettings:
     port: int = 0
     """Base port of the KV servers (rank r listens on port + r); 0 picks free ports."""
     transport: str = "tcp"
+    """Data plane for block bytes: "tcp" (sockets, any host) or "nccl" (GPU to GPU)."""
     lease_s: float = 30.0
     """How long the producer keeps a finished prefill's blocks for a consumer."""
     timeout_s: float = 10.0
@@ -45,14 +45,18 @@ class ConnectorSettings:
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
             )
         settings = cls(**extra)
-        if settings.transport not in ("tcp", "nccl"):
-            raise ValueError(f"transport must be 'tcp' or 'nccl', not {settings.transport!r}")
+        if settings.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {settings.transport!r}")
         if settings.lease_s <= 0 or settings.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
         if not (0 <= int(settings.port) <= 65535):
             raise ValueError(f"port {settings.port} is out of range")
         settings.read_secret()  # fail at start, not at the first pull
         return settings
+
+    def to_extra(self) -> dict[str, Any]:
+        """The `kv_connector_extra_config` dict that gives back these settings."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
 
     def read_secret(self) -> bytes:
         if self.secret_file:
@@ -74,33 +78,4 @@ class ConnectorSettings:
         return self.advertise_host or self.host
 
 
-@dataclass
-class RecvSpec:
-    params: dict[str, Any]
-    """The handle as it arrived (kv_transfer_params)."""
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
-    release_only: bool = False
-    """Nothing to load (all cached here): only tell the producer to free its blocks now."""
-
-
-@dataclass
-class SendSpec:
-    block_ids: list[int]
-    lease_deadline: float
-
-
-@dataclass
-class PDServeMetadata(KVConnectorMetadata):
-    """One step's work for the workers: blocks to offer (producer) and pulls to start (consumer)."""
-
-    send: dict[str, SendSpec] = field(default_factory=dict)
-    recv: dict[str, RecvSpec] = field(default_factory=dict)
-
-
-@dataclass
-class PDServeHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells its scheduler after registering its caches: where it listens."""
-
-    port: int
-    tp_rank: int
+DEFAULTS = ConnectorSettings()

@@ -1,20 +1,17 @@
 """KV transfer statistics: counted in the worker, carried to the engine's stat loggers by vLLM.
 
-`TransferStats` is what a worker accumulates between two engine steps (counters as deltas,
-gauges as the latest value, and one (bytes, seconds) record per finished transfer).
-`PDServeKVStats` wraps it in vLLM's `KVConnectorStats` shape so it rides vLLM's own path
-(worker → scheduler → `SchedulerStats.kv_connector_stats` → stat loggers), where the engine
-actor totals it (`KVStatsTotals`) for the metrics.
+`TransferStats` is what a worker accumulates between two engine steps; `snapshot()` turns it into
+the plain dict vLLM carries (worker → scheduler → `SchedulerStats.kv_connector_stats` → stat
+loggers; `pdserve.kv.connector.PDServeKVStats` is the vLLM-facing wrapper). The engine actor
+folds every snapshot into `KVTotals`, which crosses Ray with the node's stats. The dict's keys
+are the field names of `KVCounters` and `KVGauges`, written and read only in this module.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 FAILURE_REASONS = (
     "connect",
@@ -29,33 +26,110 @@ FAILURE_REASONS = (
 )
 
 
+@dataclass
+class KVCounters:
+    """Counters of one worker or engine (deltas in a snapshot, totals in `KVTotals`)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_sent: float = 0.0
+    seconds_received: float = 0.0
+    transfers_sent: int = 0
+    transfers_received: int = 0
+    leases_expired: int = 0
+    """Offers whose lease ended before a completed pull (their blocks were freed)."""
+    releases: int = 0
+    """Handles a consumer gave back unread because it had every block cached."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed pulls by reason (FAILURE_REASONS)."""
+
+    def add(self, other: KVCounters) -> None:
+        for f in fields(self):
+            if f.name != "failures":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for reason, count in other.failures.items():
+            self.failures[reason] = self.failures.get(reason, 0) + count
+
+    def is_zero(self) -> bool:
+        return self == KVCounters()
+
+
+@dataclass
+class KVGauges:
+    in_flight: int = 0
+    """Pulls in progress (consumer)."""
+    blocks_held: int = 0
+    """Blocks kept for consumers under leases (producer)."""
+    requests_held: int = 0
+
+    def add(self, other: KVGauges) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class KVTotals:
+    """One engine's KV transfer totals and latest gauges, as the router sees them."""
+
+    counters: KVCounters = field(default_factory=KVCounters)
+    gauges: KVGauges = field(default_factory=KVGauges)
+
+    def observe(self, snapshot: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+        """Fold one (possibly aggregated) snapshot in; returns its failed pulls as
+        (request id, reason, message)."""
+        if not snapshot:
+            return []
+        self.counters.add(KVCounters(**snapshot["counters"]))
+        self.gauges = KVGauges(**snapshot["gauges"])
+        return [tuple(item) for item in snapshot.get("failed_requests", ())]
+
+
+def merge_snapshots(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two workers' snapshots as one (tensor-parallel ranks of one engine)."""
+    if not a or not b:
+        return dict(a or b or {})
+    counters, other = KVCounters(**a["counters"]), KVCounters(**b["counters"])
+    counters.add(other)
+    gauges = KVGauges(**a["gauges"])
+    gauges.add(KVGauges(**b["gauges"]))
+    return {
+        "counters": asdict(counters),
+        "gauges": asdict(gauges),
+        "failed_requests": [*a.get("failed_requests", ()), *b.get("failed_requests", ())],
+    }
+
+
 class TransferStats:
-    """Thread-safe accumulator in one worker (pulls run on helper threads)."""
+    """Thread-safe accumulator in one worker (pulls and the KV server run on helper threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
-        self._transfers: list[tuple[int, float]] = []
+        self._counters = KVCounters()
         self._failed: list[tuple[str, str, str]] = []
         self.in_flight = 0
 
-    def count(self, name: str, amount: int | float = 1) -> None:
+    def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A finished transfer; `direction` is "sent" or "received"."""
         with self._lock:
-            self._counters[name] += amount
+            c = self._counters
+            setattr(c, f"bytes_{direction}", getattr(c, f"bytes_{direction}") + nbytes)
+            setattr(c, f"seconds_{direction}", getattr(c, f"seconds_{direction}") + seconds)
+            setattr(c, f"transfers_{direction}", getattr(c, f"transfers_{direction}") + 1)
 
     def failure(self, reason: str, request_id: str | None = None, message: str = "") -> None:
         with self._lock:
-            self._counters[f"failures_{reason}"] += 1
+            failures = self._counters.failures
+            failures[reason] = failures.get(reason, 0) + 1
             if request_id is not None:
                 self._failed.append((request_id, reason, message))
 
-    def transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+    def leases_expired(self, count: int) -> None:
         with self._lock:
-            self._counters[f"bytes_{direction}"] += nbytes
-            self._counters[f"transfers_{direction}"] += 1
-            self._counters[f"seconds_{direction}"] += seconds
-            if direction == "received":
-                self._transfers.append((nbytes, seconds))
+            self._counters.leases_expired += count
+
+    def released(self) -> None:
+        with self._lock:
+            self._counters.releases += 1
 
     def started(self) -> None:
         with self._lock:
@@ -65,87 +139,24 @@ class TransferStats:
         with self._lock:
             self.in_flight -= 1
 
-    def snapshot(self, gauges: dict[str, float]) -> dict[str, Any] | None:
-        """Take the deltas since the last snapshot (None when nothing happened or changed)."""
+    def snapshot(self, gauges: KVGauges) -> dict[str, Any]:
+        """Take the counters since the last snapshot, with the current gauges."""
         with self._lock:
-            gauges = {**gauges, "in_flight": self.in_flight}
+            gauges = KVGauges(self.in_flight, gauges.blocks_held, gauges.requests_held)
             data = {
-                "counters": dict(self._counters),
-                "transfers": list(self._transfers),
+                "counters": asdict(self._counters),
+                "gauges": asdict(gauges),
                 "failed_requests": list(self._failed),
-                "gauges": gauges,
             }
-            self._counters.clear()
-            self._transfers.clear()
+            self._counters = KVCounters()
             self._failed.clear()
         return data
 
 
-@dataclass
-class PDServeKVStats(KVConnectorStats):
-    """vLLM-facing wrapper: `data` is one `TransferStats.snapshot`, possibly aggregated."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def is_empty(self) -> bool:
-        return not self.data or (
-            not self.data.get("counters")
-            and not self.data.get("transfers")
-            and not any(self.data.get("gauges", {}).values())
-        )
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = Counter(self.data.get("counters", {}))
-        merged.update(other.data.get("counters", {}))
-        gauges = Counter(self.data.get("gauges", {}))
-        gauges.update(other.data.get("gauges", {}))
-        self.data = {
-            "counters": dict(merged),
-            "transfers": [*self.data.get("transfers", []), *other.data.get("transfers", [])],
-            "failed_requests": [
-                *self.data.get("failed_requests", []),
-                *other.data.get("failed_requests", []),
-            ],
-            "gauges": dict(gauges),
-        }
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        counters = self.data.get("counters", {})
-        return {**counters, **self.data.get("gauges", {})}
-
-
-@dataclass
-class KVStatsTotals:
-    """Running totals for one engine, fed with every `kv_connector_stats` dict vLLM reports."""
-
-    counters: Counter = field(default_factory=Counter)
-    gauges: dict[str, float] = field(default_factory=dict)
-    failed_requests: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """vLLM request id -> (reason, message) of recent failed pulls."""
-
-    def observe(self, data: dict[str, Any] | None) -> None:
-        if not data:
-            return
-        self.counters.update(data.get("counters", {}))
-        self.gauges.update(data.get("gauges", {}))
-        for request_id, reason, message in data.get("failed_requests", []):
-            self.failed_requests[request_id] = (reason, message)
-        while len(self.failed_requests) > 1000:
-            self.failed_requests.pop(next(iter(self.failed_requests)))
-
-    def failure_of(self, request_id: str) -> tuple[str, str] | None:
-        """Why the pull for `request_id` (the caller's id; vLLM adds a suffix) failed, if known."""
-        for internal, why in reversed(self.failed_requests.items()):
-            if internal == request_id or internal.startswith(request_id + "-"):
-                return why
-        return None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "counters": dict(self.counters),
-            "gauges": dict(self.gauges),
-        }
+def is_empty(snapshot: dict[str, Any] | None) -> bool:
+    """Nothing counted and every gauge at zero."""
+    return not snapshot or (
+        KVCounters(**snapshot["counters"]).is_zero()
+        and not snapshot.get("failed_requests")
+        and KVGauges(**snapshot["gauges"]) == KVGauges()
+    )

@@ -1,9 +1,11 @@
-"""Framing and authentication for the KV control channel (proto/pdserve/v1/kv_transfer.proto).
+"""The KV control channel's wire (proto/pdserve/v1/kv_transfer.proto): framing, proofs, leases.
 
 Each control message is a 4-byte big-endian length and a serialized protobuf message. Lengths
 are capped (`MAX_MESSAGE_BYTES`) so a malformed or hostile peer cannot make us allocate; every
 read has the socket's timeout. Authentication is HMAC-SHA256 challenge-response in both
 directions over fresh nonces: the secret never crosses the wire, and a replayed answer is useless.
+The producer's half of the conversation is `prefill_node/kv_server.py`, the consumer's
+`decode_node/kv_client.py`; protobuf types stop there and here (`layout_to_pb`, `layout_from_pb`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import hmac
 import os
 import socket
 import struct
+from dataclasses import asdict
 
 from google.protobuf.message import DecodeError, Message
+
+from pdserve.kv.layout import KVLayout
+from pdserve_proto.v1 import kv_transfer_pb2 as pb
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
@@ -25,6 +31,14 @@ _CONTEXT = b"pdserve-kv-v1"
 
 class ProtocolError(ConnectionError):
     """The peer broke the protocol (bad frame, bad message, failed proof); close the link."""
+
+
+class TransferError(Exception):
+    """A pull that failed; `reason` is one of pdserve.kv.stats.FAILURE_REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
@@ -75,3 +89,11 @@ def lease_token(secret: bytes, request_id: str, block_ids: list[int], deadline: 
 
 def verify(expected: bytes, got: bytes) -> bool:
     return hmac.compare_digest(expected, got)
+
+
+def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(**asdict(layout))
+
+
+def layout_from_pb(message: pb.KVLayout) -> KVLayout:
+    return KVLayout(**{name: getattr(message, name) for name in KVLayout.__dataclass_fields__})

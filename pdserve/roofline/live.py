@@ -2,11 +2,11 @@
 
 Every engine step reports how many prompt tokens and decode tokens it processed (vLLM's
 iteration details) and how long it took. `step_work` turns that into the FLOPs the step performed
-and the bytes it moved, with the same formulas the planner uses (DESIGN.md §1): linear layers cost
-2·tokens·d_in·d_out FLOPs and read their weights once per step, attention reads each sequence's
-KV cache, and new tokens write theirs. Summed over time and divided by the device's peaks, these
-give the metrics' compute utilization (achieved FLOP/s ÷ peak FLOP/s), bandwidth utilization
-(achieved bytes/s ÷ peak bytes/s) and arithmetic intensity (FLOPs ÷ bytes).
+and the bytes it moved, with the same formulas the planner uses (docs/design.md, "Metrics"):
+linear layers cost 2·tokens·d_in·d_out FLOPs and read their weights once per step, attention
+reads each sequence's KV cache, and new tokens write theirs. Summed over time and divided by the
+device's peaks, these give the metrics' compute utilization (achieved FLOP/s ÷ peak FLOP/s),
+bandwidth utilization (achieved bytes/s ÷ peak bytes/s) and arithmetic intensity (FLOPs ÷ bytes).
 
 The peaks come from the planner's device catalog on a known GPU, from the config, or — on a CPU,
 which has no datasheet entry — from a short measurement when the engine starts (`measure_peaks`).

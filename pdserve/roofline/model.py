@@ -1,4 +1,5 @@
-"""The roofline model of DESIGN.md §1: the one copy of the formulas pdserve uses.
+"""The roofline model: the one copy of the formulas pdserve uses (docs/design.md, "Why split
+prefill from decode").
 
 A linear layer W (d_in × d_out) applied to T tokens costs 2·T·d_in·d_out FLOPs and loads
 dtype_bytes·d_in·d_out bytes of weights, so its arithmetic intensity (weights only) is
@@ -48,7 +49,7 @@ def linear_shapes(m: ModelSpec) -> list[tuple[str, int, int]]:
 
 def linear_ops(m: ModelSpec, tokens: int) -> list[Op]:
     """Linear layers of one block on `tokens` tokens; bytes are the weights (activations are
-    small next to them and left out, as in DESIGN.md §1)."""
+    small next to them and left out)."""
     return [
         Op(name, 2.0 * tokens * d_in * d_out, float(m.dtype_bytes * d_in * d_out))
         for name, d_in, d_out in linear_shapes(m)

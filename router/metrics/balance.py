@@ -1,4 +1,4 @@
-"""Pool balance (DESIGN.md §1): a node's **load** is its demand against its capacity,
+"""Pool balance (docs/design.md, "Metrics"): a node's **load** is its demand against its capacity,
     load = max(compute pressure, memory pressure) + queue pressure
 - compute pressure: the share of wall time the engine spent computing prompt tokens (prefill is
   compute-bound, so this is the compute capacity prompts use up);
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.types import NodeStats
+
 BALANCE_FLOOR = 0.01
 """Loads below this count as this much in the balance ratio (two idle pools read as 1)."""
 
@@ -29,8 +31,8 @@ COUNTERS = (
 """The stats counters a rate window needs (all a node's history keeps)."""
 
 
-def counters(stats: dict) -> dict[str, float]:
-    return {key: stats.get(key, 0.0) for key in COUNTERS}
+def counters(stats: NodeStats) -> dict[str, float]:
+    return {key: getattr(stats, key) for key in COUNTERS}
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,12 @@ class Window:
         return cls(dt, *(delta(key) for key in COUNTERS))
 
 
-def node_load(stats: dict, window: Window | None) -> float:
+def node_load(stats: NodeStats, window: Window | None) -> float:
     """Demand against capacity for one node (see the module docstring)."""
-    slots = max(1, stats.get("max_num_seqs") or 1)
+    slots = max(1, stats.max_num_seqs or 1)
     compute = min(1.0, window.prompt_busy) if window else 0.0
-    memory = max(stats.get("kv_cache_usage", 0.0), stats.get("running", 0) / slots)
-    queue = stats.get("waiting", 0) / slots
+    memory = max(stats.kv_cache_usage, stats.running / slots)
+    queue = stats.waiting / slots
     return max(compute, memory) + queue
 
 

@@ -6,6 +6,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from pdserve.engine.types import QUEUE_TIME_BUCKETS
+from pdserve.kv.stats import FAILURE_REASONS
 from router.metrics.balance import Window, balance_ratio, node_load, pool_load
 
 
@@ -23,7 +25,7 @@ class PoolCollector:
             for node in pool.nodes:
                 window = Window.of(node.history, self.window_s)
                 families.add_node(pool_name, node, window)
-                if node.healthy and node.stats:
+                if node.healthy and node.reported:
                     node_loads.append(node_load(node.stats, window))
             families.add_pool(pool_name, pool)
             load = pool_load(node_loads)
@@ -100,7 +102,9 @@ class _NodeFamilies:
             "pdserve_node_arithmetic_intensity_flops_per_byte",
             "FLOPs / bytes of the steps in the router's window.",
         )
-        self.load = gauge("pdserve_node_load_ratio", "Demand / capacity (see router/metrics.py).")
+        self.load = gauge(
+            "pdserve_node_load_ratio", "Demand / capacity (see router/metrics/balance.py)."
+        )
         self.gpu_sm = gauge("pdserve_node_gpu_sm_utilization_ratio", "NVML utilization.gpu.")
         self.gpu_mem = gauge(
             "pdserve_node_gpu_memory_controller_utilization_ratio", "NVML utilization.memory."
@@ -144,64 +148,68 @@ class _NodeFamilies:
         )
 
     def add_node(self, pool: str, node: Any, window: Window | None) -> None:
-        from pdserve.kv.stats import FAILURE_REASONS
-
         key = [pool, node.name]
         self.up.add_metric(key, 1.0 if node.healthy else 0.0)
         self.outstanding.add_metric(key, node.outstanding)
-        stats = node.stats
-        if not stats:
+        if not node.reported:
             return
-        self.running.add_metric(key, stats["running"])
-        self.waiting.add_metric(key, stats["waiting"])
-        self.kv_usage.add_metric(key, stats["kv_cache_usage"])
-        for source, field in (
-            ("computed", "prompt_tokens_computed_total"),
-            ("transferred", "prompt_tokens_transferred_total"),
-            ("cached", "prompt_tokens_cached_total"),
+        stats = node.stats
+        self.running.add_metric(key, stats.running)
+        self.waiting.add_metric(key, stats.waiting)
+        self.kv_usage.add_metric(key, stats.kv_cache_usage)
+        for source, value in (
+            ("computed", stats.prompt_tokens_computed_total),
+            ("transferred", stats.prompt_tokens_transferred_total),
+            ("cached", stats.prompt_tokens_cached_total),
         ):
-            self.prompt_tokens.add_metric([*key, source], stats[field])
-        self.generation_tokens.add_metric(key, stats["generation_tokens_total"])
-        self.busy.add_metric(key, stats["busy_seconds_total"])
-        self.prompt_busy.add_metric(key, stats["prompt_busy_seconds_total"])
-        self.flops.add_metric(key, stats["estimated_flops_total"])
-        self.bytes.add_metric(key, stats["estimated_bytes_total"])
-        if stats["peak_flops"]:
-            source = stats["peaks_source"]
-            self.peak_flops.add_metric([*key, source], stats["peak_flops"])
-            self.peak_bw.add_metric([*key, source], stats["peak_mem_bandwidth"])
+            self.prompt_tokens.add_metric([*key, source], value)
+        self.generation_tokens.add_metric(key, stats.generation_tokens_total)
+        self.busy.add_metric(key, stats.busy_seconds_total)
+        self.prompt_busy.add_metric(key, stats.prompt_busy_seconds_total)
+        self.flops.add_metric(key, stats.estimated_flops_total)
+        self.bytes.add_metric(key, stats.estimated_bytes_total)
+        if stats.peak_flops:
+            source = stats.peaks_source
+            self.peak_flops.add_metric([*key, source], stats.peak_flops)
+            self.peak_bw.add_metric([*key, source], stats.peak_mem_bandwidth)
             if window is not None:
-                self.compute_util.add_metric(key, window.flops / stats["peak_flops"])
-                self.bw_util.add_metric(key, window.bytes / stats["peak_mem_bandwidth"])
+                self.compute_util.add_metric(key, window.flops / stats.peak_flops)
+                self.bw_util.add_metric(key, window.bytes / stats.peak_mem_bandwidth)
         if window is not None and window.bytes > 0:
             self.intensity.add_metric(key, window.flops / window.bytes)
         if node.healthy:
             self.load.add_metric(key, node_load(stats, window))
-        if stats.get("gpu_sm_utilization") is not None:
-            self.gpu_sm.add_metric(key, stats["gpu_sm_utilization"])
-            self.gpu_mem.add_metric(key, stats["gpu_memory_utilization"])
+        if stats.gpu_sm_utilization is not None:
+            self.gpu_sm.add_metric(key, stats.gpu_sm_utilization)
+            self.gpu_mem.add_metric(key, stats.gpu_memory_utilization)
         self._add_queue_time(key, stats)
-        kv = stats["kv"]
-        counters, gauges = kv["counters"], kv["gauges"]
-        for direction in ("sent", "received"):
+        counters, gauges = stats.kv.counters, stats.kv.gauges
+        for direction, nbytes, seconds, transfers in (
+            ("sent", counters.bytes_sent, counters.seconds_sent, counters.transfers_sent),
+            (
+                "received",
+                counters.bytes_received,
+                counters.seconds_received,
+                counters.transfers_received,
+            ),
+        ):
             labels = [*key, direction]
-            self.kv_bytes.add_metric(labels, counters.get(f"bytes_{direction}", 0))
-            self.kv_seconds.add_metric(labels, counters.get(f"seconds_{direction}", 0.0))
-            self.kv_transfers.add_metric(labels, counters.get(f"transfers_{direction}", 0))
+            self.kv_bytes.add_metric(labels, nbytes)
+            self.kv_seconds.add_metric(labels, seconds)
+            self.kv_transfers.add_metric(labels, transfers)
         for reason in FAILURE_REASONS:
-            self.kv_failures.add_metric([*key, reason], counters.get(f"failures_{reason}", 0))
-        self.kv_in_flight.add_metric(key, gauges.get("in_flight", 0))
-        self.kv_expired.add_metric(key, counters.get("leases_expired", 0))
-        self.kv_held.add_metric(key, gauges.get("blocks_held", 0))
+            self.kv_failures.add_metric([*key, reason], counters.failures.get(reason, 0))
+        self.kv_in_flight.add_metric(key, gauges.in_flight)
+        self.kv_expired.add_metric(key, counters.leases_expired)
+        self.kv_held.add_metric(key, gauges.blocks_held)
 
-    def _add_queue_time(self, key: list[str], stats: dict) -> None:
+    def _add_queue_time(self, key: list[str], stats: Any) -> None:
         cumulative, buckets = 0, []
-        bounds, counts = stats["queue_time_buckets"], stats["queue_time_counts"]
-        for bound, count in zip(bounds, counts, strict=True):
+        for bound, count in zip(QUEUE_TIME_BUCKETS, stats.queue_time_counts, strict=True):
             cumulative += count
             buckets.append((repr(float(bound)), cumulative))
-        buckets.append(("+Inf", cumulative + stats["queue_time_overflow"]))
-        self.queue_time.add_metric(key, buckets, stats["queue_time_sum"])
+        buckets.append(("+Inf", cumulative + stats.queue_time_overflow))
+        self.queue_time.add_metric(key, buckets, stats.queue_time_sum)
 
     def add_pool(self, name: str, pool: Any) -> None:
         healthy = len(pool.healthy_nodes())

@@ -63,14 +63,9 @@ class RouterMetrics:
             registry=r,
         )
         self.retries = Counter(
-            "pdserve_retries",
-            "Request legs retried on another node of the pool after their node failed.",
+            "pdserve_request_retries",
+            "Requests run again because a node of this pool failed under them (router/retry.py).",
             ["pool"],
-            registry=r,
-        )
-        self.reruns = Counter(
-            "pdserve_request_reruns",
-            "Whole requests run again because a node failed before any output was sent.",
             registry=r,
         )
         self.in_flight = Gauge(
@@ -82,39 +77,66 @@ class RouterMetrics:
             self.retries.labels(pool=pool)
         r.register(PoolCollector(pools, window_s))
 
-    def request_timer(self, api: str) -> RequestTimer:
-        return RequestTimer(self, api)
+    def watch(self, dispatcher: Any) -> None:
+        """Count the dispatcher's routing decisions and prefill fallbacks."""
+        for pool in dispatcher.pools.values():
+            pool.on_pick = lambda pool, node: self.routed.labels(pool=pool, node=node).inc()
+        if hasattr(dispatcher, "on_fallback"):
+            dispatcher.on_fallback = self.fallbacks.inc
 
 
 class RequestTimer:
-    """Latencies of one request, observed as its tokens reach the client."""
+    """Latencies of one request, observed once for the run that served it.
 
-    def __init__(self, metrics: RouterMetrics, api: str, arrival: float | None = None) -> None:
-        self.metrics, self.api = metrics, api
+    `tokens(count)` records tokens as they reach the router. Live (streamed requests) each is
+    observed at once; buffered (non-streamed, which a retry may start over) they are kept and
+    observed when the request finishes, and `restart()` drops a failed run's tokens."""
+
+    def __init__(
+        self, metrics: RouterMetrics, api: str, arrival: float | None = None, live: bool = True
+    ) -> None:
+        self.metrics, self.api, self.live = metrics, api, live
         self.arrival = arrival if arrival is not None else time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
-        self.tokens = 0
+        self.count = 0
+        self._gaps: list[tuple[float, int]] = []
+        """(seconds since the previous token arrival, tokens) kept while buffered."""
 
-    def tokens_sent(self, count: int) -> None:
+    def tokens(self, count: int) -> None:
         if count <= 0:
             return
         now = time.monotonic()
         if self.first is None:
             self.first = now
-            self.metrics.ttft.observe(now - self.arrival)
-        elif self.last is not None:
-            gap = (now - self.last) / count
-            for _ in range(count):
-                self.metrics.itl.observe(gap)
+            if self.live:
+                self.metrics.ttft.observe(now - self.arrival)
+        elif self.live:
+            self._observe_gap(now - self.last, count)
+        else:
+            self._gaps.append((now - self.last, count))
         self.last = now
-        self.tokens += count
+        self.count += count
+
+    def restart(self) -> None:
+        self.first = self.last = None
+        self.count = 0
+        self._gaps.clear()
+
+    def _observe_gap(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.metrics.itl.observe(seconds / count)
 
     def finished(self, outcome: str) -> None:
         self.metrics.requests.labels(api=self.api, outcome=outcome).inc()
-        if outcome != "success" or self.first is None:
+        if self.first is None:
             return
-        now = time.monotonic()
-        self.metrics.e2e.observe(now - self.arrival)
-        if self.tokens > 1:
-            self.metrics.tpot.observe((now - self.first) / (self.tokens - 1))
+        if not self.live:
+            self.metrics.ttft.observe(self.first - self.arrival)
+            for seconds, count in self._gaps:
+                self._observe_gap(seconds, count)
+        if outcome != "success":
+            return
+        self.metrics.e2e.observe(self.last - self.arrival)
+        if self.count > 1:
+            self.metrics.tpot.observe((self.last - self.first) / (self.count - 1))

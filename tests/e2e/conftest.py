@@ -106,9 +106,11 @@ def server(default_model_dir, tmp_path_factory) -> Server:
     finish_server(server)
 
 
-def offline_reference(model_dir: Path, work: Path, completions: list, chats: list) -> dict:
+def offline_reference(
+    model_dir: Path, work: Path, completions: list, chats: list, dtype: str
+) -> dict:
     """Greedy outputs of plain vLLM's offline `LLM` for the same prompts, one at a time, with
-    the served engine's threads and binding (tests/helpers/offline_reference.py)."""
+    the served engine's dtype, threads and binding (tests/helpers/offline_reference.py)."""
     from tests.conftest import REPO
 
     job = work / "job.json"
@@ -116,6 +118,7 @@ def offline_reference(model_dir: Path, work: Path, completions: list, chats: lis
         json.dumps(
             {
                 "model": str(model_dir),
+                "dtype": dtype,
                 "max_model_len": 2048,
                 "completions": completions,
                 "chats": chats,
@@ -149,9 +152,12 @@ COMPLETIONS = [
 ]
 
 
-def assert_greedy_matches_plain_vllm(client, model: str, model_dir: Path, work: Path) -> None:
+def assert_greedy_matches_plain_vllm(
+    client, model: str, model_dir: Path, work: Path, dtype: str
+) -> None:
     """The served greedy output equals plain vLLM's offline one, each prompt alone on both sides
-    (bf16 greedy output on this CPU depends on batch composition)."""
+    (greedy output depends on batch composition). Disaggregated servers compare in float32: in
+    bf16 a prefill and a decode step may round differently on another CPU."""
     served = [
         client.completions.create(model=model, prompt=p, max_tokens=n, temperature=0)
         .choices[0]
@@ -159,7 +165,7 @@ def assert_greedy_matches_plain_vllm(client, model: str, model_dir: Path, work: 
         for p, n in COMPLETIONS
     ]
     chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0)
-    reference = offline_reference(model_dir, work, COMPLETIONS, [[CHAT, 24]])
+    reference = offline_reference(model_dir, work, COMPLETIONS, [[CHAT, 24]], dtype)
     assert served == reference["completions"]
     assert chat.choices[0].message.content == reference["chats"][0]
 

@@ -1,8 +1,8 @@
 """Greedy reference outputs from plain vLLM (offline `LLM`), one prompt at a time.
 
 Run as a script (vLLM engines need the `__main__` guard): reads a JSON job from argv[1] with
-`model`, `max_model_len`, `completions` [[prompt, max_tokens]], `chats` [[messages, max_tokens]],
-and prints one JSON line {"completions": [text...], "chats": [text...]}.
+`model`, `dtype`, `max_model_len`, `completions` [[prompt, max_tokens]], `chats`
+[[messages, max_tokens]], and prints one JSON line {"completions": [text...], "chats": [text...]}.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def main() -> None:
 
     llm = LLM(
         job["model"],
-        dtype="bfloat16",
+        dtype=job["dtype"],
         enforce_eager=True,
         max_model_len=job["max_model_len"],
         seed=0,

@@ -1,16 +1,16 @@
-"""KV transports, registered by name and imported only when chosen (tcp never imports CUDA)."""
+"""KV data planes, registered by name and imported only when chosen (tcp never imports CUDA)."""
 
 from __future__ import annotations
 
 import importlib
 
 _REGISTRY = {
-    "tcp": ("pdserve.kv.transport.tcp", "TcpTransport"),
-    "nccl": ("pdserve.kv.transport.nccl", "NcclTransport"),
+    "tcp": ("pdserve.kv.transport.tcp", "TcpPlane"),
+    "nccl": ("pdserve.kv.transport.nccl", "NcclPlane"),
 }
 
 
-def transport_class(name: str):
+def plane_class(name: str):
     try:
         module, cls = _REGISTRY[name]
     except KeyError:

@@ -1,4 +1,4 @@
-"""NCCL transport: control over TCP, block bytes over a two-rank NCCL communicator per pair.
+"""NCCL data plane: block bytes over a two-rank NCCL communicator per producer/consumer pair.
 
 Pairing is lazy: on its first pull from a producer, a consumer worker creates an ncclUniqueId and
 sends it in the Handshake; both join `ncclCommInitRank(2, id, rank)` (producer rank 0, consumer
@@ -17,9 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.kv.transport.base import KVTransport, TransferError
-from pdserve.kv.wire import ProtocolError
-from pdserve_proto.v1 import kv_transfer_pb2 as pb
+from pdserve.kv.transport.plane import DataPlane
+from pdserve.kv.wire import ProtocolError, TransferError
 
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
 UNIQUE_ID_BYTES = 128
@@ -66,13 +65,15 @@ class Pairing:
             self._by_peer[peer] = (pair_key(unique_id), link)
         return link
 
-    def producer_link(self, handshake: pb.Handshake) -> Link:
-        if handshake.nccl_unique_id:
-            if len(handshake.nccl_unique_id) != UNIQUE_ID_BYTES:
+    def producer_link(self, fields: dict[str, bytes]) -> Link:
+        """`fields`: the consumer's pairing fields from its Handshake (an id or a pair key)."""
+        unique_id = fields.get("nccl_unique_id")
+        if unique_id:
+            if len(unique_id) != UNIQUE_ID_BYTES:
                 raise ProtocolError("nccl_unique_id must be 128 bytes")
-            return self._join(handshake.nccl_unique_id, PRODUCER_RANK, CONSUMER_RANK)
+            return self._join(unique_id, PRODUCER_RANK, CONSUMER_RANK)
         with self._lock:
-            link = self._by_key.get(handshake.nccl_pair_key)
+            link = self._by_key.get(fields.get("nccl_pair_key", b""))
         if link is None:
             raise ProtocolError("unknown NCCL pair key: the consumer must pair again")
         return link
@@ -89,7 +90,7 @@ class Pairing:
             self._by_peer.pop(peer, None)
 
 
-class NcclTransport(KVTransport):
+class NcclPlane(DataPlane):
     name = "nccl"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -103,18 +104,18 @@ class NcclTransport(KVTransport):
         self._library = NCCLLibrary()
         self.pairing = Pairing(self._library)
 
-    def _consumer_pairing(self, peer):
+    def consumer_pairing(self, peer):
         return self.pairing.consumer_fields(peer)
 
-    def _consumer_link(self, peer, pairing):
+    def consumer_link(self, peer, pairing):
         try:
             return self.pairing.consumer_link(peer, pairing)
         except Exception as error:
             self.pairing.forget(peer)
             raise TransferError("handshake", f"NCCL pairing with {peer} failed: {error}") from None
 
-    def _producer_link(self, handshake):
-        return self.pairing.producer_link(handshake)
+    def producer_link(self, pairing):
+        return self.pairing.producer_link(pairing)
 
     def _move(self, runs: Iterator[Any], link: Link, send: bool) -> None:
         torch = self._torch
@@ -129,12 +130,8 @@ class NcclTransport(KVTransport):
             self._library.ncclGroupEnd()
             stream.synchronize()
 
-    def _send_blocks(
-        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
-    ) -> None:
+    def send_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
         self._move(self.runs(blocks), link, send=True)
 
-    def _recv_blocks(
-        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
-    ) -> None:
+    def recv_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
         self._move(self.runs(blocks), link, send=False)

@@ -1,4 +1,4 @@
-"""TCP transport: KV block bytes follow the control messages on the same socket.
+"""TCP data plane: KV block bytes follow the control messages on the same socket.
 
 CPU caches are sent from and received into the paged KV cache's own memory (no staging copy),
 many runs per system call (`sendmsg` / `recvmsg_into` scatter-gather); device caches go through
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv.transport.base import KVTransport, block_runs
+from pdserve.kv.transport.plane import DataPlane, block_runs
 
 IOV_BATCH = 512
 """Buffers per sendmsg / recvmsg_into call (Linux allows up to 1024)."""
@@ -33,7 +33,7 @@ def _settimeout(conn: socket.socket, deadline: float) -> None:
     conn.settimeout(left)
 
 
-class TcpTransport(KVTransport):
+class TcpPlane(DataPlane):
     name = "tcp"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -49,9 +49,7 @@ class TcpTransport(KVTransport):
             for first, count in runs:
                 yield view[first * size : (first + count) * size]
 
-    def _send_blocks(
-        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
-    ) -> None:
+    def send_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
         _tune(conn)
         if self._views is None:
             return self._send_staged(conn, self.runs(blocks), deadline)
@@ -67,9 +65,7 @@ class TcpTransport(KVTransport):
         if batch:
             _sendmsg_all(conn, batch, deadline)
 
-    def _recv_blocks(
-        self, conn: socket.socket, blocks: list[int], deadline: float, link: Any
-    ) -> None:
+    def recv_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
         _tune(conn)
         if self._views is None:
             return self._recv_staged(conn, self.runs(blocks), deadline)

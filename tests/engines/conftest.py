@@ -46,6 +46,7 @@ def corpus(tokenizer) -> list[int]:
 
 @pytest.fixture(scope="session")
 def kv_bytes_per_token(default_model_dir) -> int:
+    """KV bytes per token of the test engines (float32, see harness.py)."""
     from pdserve.roofline.model import kv_bytes_per_token
 
-    return kv_bytes_per_token(load_model(str(default_model_dir)))
+    return kv_bytes_per_token(load_model(str(default_model_dir), "float32"))

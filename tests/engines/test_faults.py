@@ -1,4 +1,5 @@
-"""KV transfer faults with real engines: each ends in the failure policy's outcome in time.
+"""KV transfer faults with real engines (float32): each ends in the failure policy's outcome in
+time.
 
 recompute: the decode engine computes the prefill itself and the tokens equal a plain run's;
 fail: the request ends with an explicit error naming the reason. The producer's held blocks
@@ -16,21 +17,21 @@ import time
 import pytest
 import ray
 
-from pdserve.engine import KVLoadFailed
-from tests.kv.harness import (
+from pdserve.engine.types import KVLoadFailed
+from tests.engines.harness import (
     SECRET,
+    call,
     consumer,
     disaggregated,
     generate,
     greedy,
+    prefill,
     producer,
     rid,
     start_engines,
     tokens,
     wait_for,
 )
-
-pytestmark = pytest.mark.e2e
 
 LEASE_S = 4.0
 TIMEOUT_S = 6.0
@@ -69,11 +70,11 @@ async def plain(engine, prompt):
 
 
 async def held_blocks(engine) -> int:
-    return (await engine.stats.remote())["kv"]["gauges"].get("blocks_held", 0)
+    return (await engine.stats.remote()).kv.gauges.blocks_held
 
 
 async def failures(engine, reason: str) -> int:
-    return (await engine.stats.remote())["kv"]["counters"].get(f"failures_{reason}", 0)
+    return (await engine.stats.remote()).kv.counters.failures.get(reason, 0)
 
 
 async def assert_producer_drains(engine, within: float = LEASE_S + 10):
@@ -104,8 +105,8 @@ async def check_recompute(engines, prompt, reason, producer_name="p", mutate=Non
     result = await disaggregated(engines[producer_name], engines["d"], prompt, MAX_TOKENS, mutate)
     assert time.monotonic() - started < TIMEOUT_S + 20
     assert result.tokens == expected
-    counters = (await engines["d"].stats.remote())["kv"]["counters"]
-    assert counters.get(f"failures_{reason}", 0) == before + 1, counters
+    counters = (await engines["d"].stats.remote()).kv.counters
+    assert counters.failures.get(reason, 0) == before + 1, counters
 
 
 async def check_fail(engines, prompt, reason, producer_name="p", mutate=None):
@@ -126,22 +127,22 @@ async def test_handle_pointing_at_a_wrong_port(engines, corpus):
 async def test_expired_lease(engines, corpus):
     prompt = corpus[80:500]
     expected = await plain(engines["p"], prompt)
-    expired_before = (await engines["p"].stats.remote())["kv"]["counters"].get("leases_expired", 0)
-    first = await generate(engines["p"], prompt, greedy(1, {"do_remote_decode": True}), rid("p"))
-    handle = first[-1].kv_transfer_params
+    expired_before = (await engines["p"].stats.remote()).kv.counters.leases_expired
+    first = await prefill(engines["p"], prompt, MAX_TOKENS)
+    handle = first[-1].handle
 
     async def lease_ended():
         stats = await engines["p"].stats.remote()
         return (
             time.time() > handle["lease_deadline"]
-            and stats["kv"]["gauges"].get("blocks_held", 0) == 0
-            and stats["kv"]["counters"].get("leases_expired", 0) > expired_before
+            and stats.kv.gauges.blocks_held == 0
+            and stats.kv.counters.leases_expired > expired_before
         )
 
     await wait_for(lease_ended, LEASE_S + 10, "the lease to end and its blocks to be freed")
     before = await failures(engines["d"], "lease_expired")
-    rest = await generate(
-        engines["d"], prompt + tokens(first), greedy(MAX_TOKENS - 1, handle), rid("d")
+    rest = await call(
+        engines["d"], "decode", rid("d"), prompt, greedy(MAX_TOKENS), tokens(first), handle
     )
     assert tokens(first) + tokens(rest) == expected
     assert await failures(engines["d"], "lease_expired") == before + 1
@@ -181,7 +182,7 @@ async def test_producer_killed_mid_transfer(engines, corpus):
 
     async def pulling():
         stats = await engines["d"].stats.remote()
-        return stats["kv"]["gauges"].get("in_flight", 0) > 0
+        return stats.kv.gauges.in_flight > 0
 
     await wait_for(pulling, 60, "the decode engine to start pulling")
     ray.kill(engines["p"], no_restart=True)

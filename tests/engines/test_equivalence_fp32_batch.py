@@ -7,9 +7,14 @@ import asyncio
 
 import pytest
 
-from tests.kv.harness import consumer, disaggregated, producer, reference, start_engines
-
-pytestmark = pytest.mark.e2e
+from tests.engines.harness import (
+    consumer,
+    disaggregated,
+    plain,
+    producer,
+    reference,
+    start_engines,
+)
 
 LENGTHS = [3, 100, 128, 129, 257, 300, 385, 512, 700, 1000, 1300, 1700]
 MAX_TOKENS = 12
@@ -19,8 +24,7 @@ MAX_TOKENS = 12
 def engines(ray_session, default_model_dir):
     engines = start_engines(
         str(default_model_dir),
-        {"p": producer(), "d": consumer(), "ref": None},
-        dtype="float32",
+        {"p": producer(), "d": consumer(), "ref": plain()},
         kv_cache_gib=2,
     )
     yield engines
@@ -35,6 +39,6 @@ async def test_concurrent_batch_matches_one_engine_in_float32(engines, corpus):
     )
     differ = [n for n, want, pd in zip(LENGTHS, expected, got, strict=True) if pd.tokens != want]
     assert not differ, f"prompt lengths whose tokens differ: {differ}"
-    counters = (await engines["d"].stats.remote())["kv"]["counters"]
-    assert not [k for k in counters if k.startswith("failures_")], counters
-    assert counters["transfers_received"] == len(batch), counters
+    counters = (await engines["d"].stats.remote()).kv.counters
+    assert not counters.failures, counters
+    assert counters.transfers_received == len(batch), counters

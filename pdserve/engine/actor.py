@@ -1,62 +1,36 @@
-"""A vLLM `AsyncLLM` hosted in a Ray actor: the unit every pool is made of.
+"""A vLLM `AsyncLLM` hosted in a Ray actor: what every node of every pool is made of.
 
 Life of a request through an engine actor:
-1. The router opens `generate` as a Ray streaming call with (request_id, token_ids, params);
-   the prompt is already tokenized, so the engine never re-tokenizes or re-applies a template.
-2. `generate` feeds vLLM with `RequestOutputKind.DELTA` and yields one `TokenDelta` per engine
-   output: the new token ids, their text, and on the last one the finish reason (and, on a prefill
-   node, the KV handle vLLM's connector returned in `kv_transfer_params`).
+1. The router opens one of the actor's streaming methods as a Ray streaming call with
+   (request_id, token_ids, params): `generate` here serves a whole request (colocated nodes, and
+   a decode node prefilling for itself); the roles add theirs — `PrefillNode.prefill`
+   (prefill_node/node.py) and `DecodeNode.decode` (decode_node/node.py). The prompt is already
+   tokenized, so the engine never re-tokenizes or re-applies a template.
+2. vLLM runs it with `RequestOutputKind.DELTA`; the actor yields one `TokenDelta` per engine
+   output: the new token ids, their text, and on the last one the finish reason.
 3. If the caller cancels the stream (client gone, deadline), Ray cancels the task, vLLM's
    `generate` sees `CancelledError` and aborts the request, which frees its KV blocks.
 
-The actor is created by `create_engine_actor` with the pool's Ray resources and an environment
+The actor is placed by `create_engine_actor` with the pool's Ray resources and an environment
 that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 
 from pdserve.config import EngineConfig, PoolConfig
-from pdserve.engine_stats import EngineStats, GpuSampler, StatsCollector, stat_logger_factory
+from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
+from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
 from pdserve.roofline.live import resolve_peaks
 
 logger = logging.getLogger(__name__)
-
-
-class KVLoadFailed(RuntimeError):
-    """The decode engine could not load the request's KV and the policy is `fail`."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"KV transfer failed ({reason}): {message}")
-        self.reason, self.detail = reason, message
-
-    def __reduce__(self):  # crosses Ray's process boundary intact
-        return (type(self), (self.reason, self.detail))
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """New output of one request since the previous delta."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-def _pulls_kv(sampling_params: Any) -> bool:
-    params = (sampling_params.extra_args or {}).get("kv_transfer_params")
-    return bool(params and "remote_request_id" in params)
 
 
 def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
@@ -122,11 +96,11 @@ class EngineActor:
         self._engine_args = engine_args
         self._peaks = peaks or {}
         self._engine = None
-        self._stats = EngineStats()
+        self._stats = NodeStats()
         self._collector = StatsCollector(self._stats)
         self._gpu: GpuSampler | None = None
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> NodeInfo:
         """Build the vLLM engine; returns what the router needs to know about it."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -146,15 +120,15 @@ class EngineActor:
         )
         vllm_config = self._engine.vllm_config
         self._start_utilization(vllm_config)
-        info = {
-            "name": self._name,
-            "pid": os.getpid(),
-            "ray_node_id": ray.get_runtime_context().get_node_id(),
-            "max_model_len": vllm_config.model_config.max_model_len,
-            "block_size": vllm_config.cache_config.block_size,
-            "start_s": round(time.monotonic() - started, 2),
-        }
-        logger.info("engine %s ready in %.1f s", self._name, info["start_s"])
+        info = NodeInfo(
+            name=self._name,
+            pid=os.getpid(),
+            ray_node_id=ray.get_runtime_context().get_node_id(),
+            max_model_len=vllm_config.model_config.max_model_len,
+            block_size=vllm_config.cache_config.block_size,
+            start_s=round(time.monotonic() - started, 2),
+        )
+        logger.info("engine %s ready in %.1f s", self._name, info.start_s)
         return info
 
     def _start_utilization(self, vllm_config: Any) -> None:
@@ -170,7 +144,17 @@ class EngineActor:
         self._stats.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._gpu = GpuSampler.create()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any):
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
+    ) -> AsyncIterator[TokenDelta]:
+        """A whole request on this engine: prefill and decode."""
+        async for delta in self._run(request_id, prompt_token_ids, sampling_params):
+            yield delta
+
+    async def _run(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
+    ) -> AsyncIterator[TokenDelta]:
+        """Feed one request to vLLM and yield its deltas (the handle, if any, on the last)."""
         from vllm.sampling_params import RequestOutputKind
 
         sampling_params.output_kind = RequestOutputKind.DELTA
@@ -183,29 +167,17 @@ class EngineActor:
                 grown = (context or len(prompt_token_ids)) + len(completion.token_ids)
                 self._stats.decode_context_tokens += grown - context
                 context = grown
-                if completion.finish_reason == "error" and _pulls_kv(sampling_params):
-                    raise await self._kv_failure(request_id)
                 yield TokenDelta(
                     token_ids=list(completion.token_ids),
                     text=completion.text,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                     num_prompt_tokens=len(prompt_token_ids),
-                    kv_transfer_params=output.kv_transfer_params if output.finished else None,
+                    handle=output.kv_transfer_params if output.finished else None,
                 )
         finally:
             self._stats.decode_context_tokens -= context
             self._stats.requests_finished_total += 1
-
-    async def _kv_failure(self, request_id: str) -> KVLoadFailed:
-        """The reason the connector recorded for this request's failed pull (it arrives with
-        the same or the next engine step's stats)."""
-        deadline = time.monotonic() + 2.0
-        while (why := self._stats.kv.failure_of(request_id)) is None:
-            if time.monotonic() > deadline:
-                return KVLoadFailed("unknown", "the engine reported a KV load failure")
-            await asyncio.sleep(0.02)
-        return KVLoadFailed(*why)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
@@ -216,10 +188,10 @@ class EngineActor:
         await self._engine.check_health()
         return not self._engine.errored
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> NodeStats:
         if self._gpu is not None:
             self._gpu.sample(self._stats)
-        return self._stats.as_dict()
+        return self._stats
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -228,16 +200,17 @@ class EngineActor:
 
 
 def create_engine_actor(
+    actor_class: type,
     name: str,
     model: str,
     served_name: str,
     engine: EngineConfig,
     pool: PoolConfig,
     replica: int,
-    max_restarts: int = 0,
     kv_transfer: dict[str, Any] | None = None,
 ):
-    """Place one engine actor with the pool's Ray resources; call `.start.remote()` next."""
+    """Place one engine actor (`actor_class`: EngineActor or a role's subclass) with the pool's
+    Ray resources and restart budget; call `.start.remote()` next."""
     env = engine_env(engine, pool, replica)
     peaks = {
         "device": engine.device,
@@ -245,50 +218,16 @@ def create_engine_actor(
         "mem_bandwidth": engine.peak_mem_bandwidth,
         "threads": int(env["OMP_NUM_THREADS"]),
     }
-    actor_cls = ray.remote(EngineActor)
-    return actor_cls.options(
-        name=name,
-        num_cpus=pool.num_cpus,
-        num_gpus=pool.num_gpus,
-        resources=dict(pool.resources),
-        max_restarts=max_restarts,
-        max_concurrency=1000,
-        runtime_env={"env_vars": env},
-    ).remote(name, engine_kwargs(model, engine, served_name, kv_transfer), peaks)
-
-
-def create_pool_node(
-    config: Any,
-    pool_name: str,
-    kv_role: str,
-    model_dir: str,
-    served: str,
-    replica: int,
-    secret: str,
-):
-    """One node of a disaggregated pool: an engine actor whose vLLM loads pdserve's KV connector
-    in `kv_role`, with the pool's resources and restart budget (`config`: PDServeConfig)."""
-    from pdserve.kv import vllm_kv_transfer_config
-
-    kv, pool = config.kv_transfer, getattr(config.pools, pool_name)
-    serves_kv = kv_role == "kv_producer"
-    port = kv.port + replica if kv.port and serves_kv else 0
-    return create_engine_actor(
-        f"pdserve-{pool_name}-{replica}",
-        model_dir,
-        served,
-        config.engine,
-        pool,
-        replica,
-        max_restarts=pool.max_restarts,
-        kv_transfer=vllm_kv_transfer_config(
-            kv_role,
-            secret,
-            kv.transport,
-            kv.failure_policy,
-            kv.host,
-            port,
-            kv.lease_s,
-            kv.timeout_s,
-        ),
+    return (
+        ray.remote(actor_class)
+        .options(
+            name=name,
+            num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus,
+            resources=dict(pool.resources),
+            max_restarts=pool.max_restarts,
+            max_concurrency=1000,
+            runtime_env={"env_vars": env},
+        )
+        .remote(name, engine_kwargs(model, engine, served_name, kv_transfer), peaks)
     )

@@ -1,4 +1,5 @@
-"""The TCP transport over real loopback sockets, with CPU tensors laid out like vLLM's cache."""
+"""A KV pull over real loopback sockets: the prefill node's KV server, the decode node's client,
+the TCP data plane between them, with CPU tensors laid out like vLLM's cache."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import time
 import pytest
 import torch
 
+import prefill_node.kv_server as kv_server
+from decode_node.kv_client import KVClient
 from pdserve.kv.handle import KVHandle
 from pdserve.kv.layout import LayoutError, describe, mismatch
-from pdserve.kv.lease import ProducerTable
 from pdserve.kv.stats import TransferStats
-from pdserve.kv.transport import transport_class
-from pdserve.kv.transport.base import TransferError
-from pdserve.kv.transport.tcp import TcpTransport
+from pdserve.kv.transport import plane_class
+from pdserve.kv.transport.tcp import TcpPlane
+from pdserve.kv.wire import TransferError
+from prefill_node.kv_server import KVServer
+from prefill_node.leases import ProducerTable
 
 LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 16, 3, 128, 64
 
@@ -60,15 +64,15 @@ def handle(port: int, request_id: str, blocks: list[int], lease_s: float = 30) -
 def producer():
     kv = caches(fill=True)
     table = ProducerTable()
-    transport = TcpTransport(layout(kv), kv, lambda: b"secret", TransferStats())
-    port = transport.start_server(table)
-    yield kv, table, transport, port
-    transport.close()
+    server = KVServer(TcpPlane(layout(kv), kv), table, lambda: b"secret", TransferStats())
+    port = server.start()
+    yield kv, table, server, port
+    server.close()
 
 
 def consumer(secret=b"secret", **layout_changes):
     kv = caches(fill=False)
-    return kv, TcpTransport(layout(kv, **layout_changes), kv, lambda: secret, TransferStats())
+    return kv, KVClient(TcpPlane(layout(kv, **layout_changes), kv), lambda: secret)
 
 
 def test_pull_copies_exact_blocks_and_releases_the_lease(producer):
@@ -93,10 +97,10 @@ def until(poll, timeout: float = 5.0):
     return value
 
 
-def test_transports_are_chosen_by_name_lazily():
-    assert transport_class("tcp") is TcpTransport
+def test_data_planes_are_chosen_by_name_lazily():
+    assert plane_class("tcp") is TcpPlane
     with pytest.raises(ValueError, match="unknown KV transport 'udp'"):
-        transport_class("udp")
+        plane_class("udp")
 
 
 def test_wrong_secret_is_refused_without_kv(producer, caplog):
@@ -143,9 +147,7 @@ def test_non_contiguous_blocks_are_refused():
     [(None, [1], "unknown_request"), ([1, 2], [2, 7], "bad_blocks")],
 )
 def test_refused_pulls_say_why(producer, monkeypatch, offer, ask, reason):
-    import pdserve.kv.transport.base as base
-
-    monkeypatch.setattr(base, "CLAIM_WAIT_S", 0.2)
+    monkeypatch.setattr(kv_server, "CLAIM_WAIT_S", 0.2)
     _, table, _, port = producer
     _, client = consumer()
     if offer:
@@ -188,14 +190,14 @@ def test_a_stalled_producer_ends_at_the_deadline():
 
 
 def test_producer_dying_mid_transfer_is_a_reset(producer):
-    src, table, transport, port = producer
-    transport.rate_limit = 2e6  # ~1.5 MB at 2 MB/s: long enough to cut
+    src, table, server, port = producer
+    server.plane.rate_limit = 2e6  # ~1.5 MB at 2 MB/s: long enough to cut
     _, client = consumer()
     table.offer("req-6", list(range(6)), time.time() + 30)
 
     def cut() -> None:
         time.sleep(0.2)
-        transport.close()
+        server.close()
 
     killer = threading.Thread(target=cut)
     killer.start()
@@ -234,10 +236,9 @@ def test_garbage_from_a_peer_is_closed_and_logged(producer, caplog):
 
 
 def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatch):
-    import pdserve.kv.transport.base as base
     from pdserve.kv.wire import lease_token
 
-    monkeypatch.setattr(base, "CLAIM_WAIT_S", 0.2)
+    monkeypatch.setattr(kv_server, "CLAIM_WAIT_S", 0.2)
     src, table, _, port = producer
     dst, client = consumer()
     deadline = time.time() + 30

@@ -11,7 +11,6 @@ import torch
 
 from pdserve.kv.transport.nccl import CONSUMER_RANK, PRODUCER_RANK, Pairing, pair_key
 from pdserve.kv.wire import ProtocolError
-from pdserve_proto.v1 import kv_transfer_pb2 as pb
 
 
 class RecordingNccl:
@@ -42,7 +41,7 @@ def test_first_contact_sends_an_id_then_reuses_the_pair_key():
     peer = ("10.0.0.1", 7000)
     first = consumer.consumer_fields(peer)
     assert len(first["nccl_unique_id"]) == 128
-    served = producer.producer_link(pb.Handshake(**first))
+    served = producer.producer_link(first)
     link = consumer.consumer_link(peer, first)
     assert producer.library.inits == [(2, first["nccl_unique_id"], PRODUCER_RANK)]
     assert consumer.library.inits == [(2, first["nccl_unique_id"], CONSUMER_RANK)]
@@ -51,7 +50,7 @@ def test_first_contact_sends_an_id_then_reuses_the_pair_key():
     again = consumer.consumer_fields(peer)
     assert again == {"nccl_pair_key": pair_key(first["nccl_unique_id"])}
     assert consumer.consumer_link(peer, again) is link
-    assert producer.producer_link(pb.Handshake(**again)) is served
+    assert producer.producer_link(again) is served
     assert len(producer.library.inits) == 1 and len(consumer.library.inits) == 1
 
 
@@ -65,9 +64,9 @@ def test_each_producer_gets_its_own_communicator():
 def test_unknown_pair_key_and_bad_ids_are_refused():
     producer = Pairing(RecordingNccl())
     with pytest.raises(ProtocolError, match="unknown NCCL pair key"):
-        producer.producer_link(pb.Handshake(nccl_pair_key=b"x" * 16))
+        producer.producer_link({"nccl_pair_key": b"x" * 16})
     with pytest.raises(ProtocolError, match="128 bytes"):
-        producer.producer_link(pb.Handshake(nccl_unique_id=b"short"))
+        producer.producer_link({"nccl_unique_id": b"short"})
 
 
 def test_a_failed_pairing_is_forgotten():
@@ -86,11 +85,13 @@ def _two_gpus() -> bool:
 def _rank(role: str, port_queue, result_queue) -> None:
     import torch
 
+    from decode_node.kv_client import KVClient
     from pdserve.kv.handle import KVHandle
     from pdserve.kv.layout import describe
-    from pdserve.kv.lease import ProducerTable
     from pdserve.kv.stats import TransferStats
-    from pdserve.kv.transport.nccl import NcclTransport
+    from pdserve.kv.transport.nccl import NcclPlane
+    from prefill_node.kv_server import KVServer
+    from prefill_node.leases import ProducerTable
 
     device = torch.device("cuda", 0 if role == "producer" else 1)
     torch.cuda.set_device(device)
@@ -106,12 +107,12 @@ def _rank(role: str, port_queue, result_queue) -> None:
         for i in range(4)
     }
     layout = describe(kv, "m", 16, 8, 64, 0, 1, "nccl")
-    transport = NcclTransport(layout, kv, lambda: b"s", TransferStats())
+    plane = NcclPlane(layout, kv)
     if role == "producer":
         table = ProducerTable()
         table.offer("r0", [1, 2, 5], time.time() + 60)
         table.offer("r1", [1, 2, 5], time.time() + 60)
-        port_queue.put(transport.start_server(table))
+        port_queue.put(KVServer(plane, table, lambda: b"s", TransferStats()).start())
         deadline, done = time.monotonic() + 60, set()
         while len(done) < 2 and time.monotonic() < deadline:
             done |= table.collect_done()
@@ -123,7 +124,9 @@ def _rank(role: str, port_queue, result_queue) -> None:
             handle = KVHandle(
                 "127.0.0.1", (port,), f"r{attempt}", (1, 2, 5), 40, time.time() + 60, "e", "nccl"
             )
-            transport.pull(handle, [1, 2, 5], [0, 3, 4], 0, time.monotonic() + 60)
+            KVClient(plane, lambda: b"s").pull(
+                handle, [1, 2, 5], [0, 3, 4], 0, time.monotonic() + 60
+            )
         result_queue.put(("consumer", {k: v[[0, 3, 4]].cpu() for k, v in kv.items()}))
 
 

@@ -1,4 +1,4 @@
-"""Planner formulas against values worked out by hand (DESIGN.md §1)."""
+"""Planner formulas against values worked out by hand (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_parameter_counts_match_the_published_sizes():
 def test_kv_bytes_per_token_gqa_and_mha():
     assert rf.kv_bytes_per_token(LLAMA3_8B) == 2 * 8 * 128 * 32 * 2 == 131_072  # 128 KiB
     assert rf.kv_bytes_per_token(LLAMA2_7B) == 2 * 32 * 128 * 32 * 2 == 524_288  # 512 KiB
-    assert rf.kv_bytes_per_token(PRESETS["smollm2-135m"]) == 30 * 768  # DESIGN.md §3
+    assert rf.kv_bytes_per_token(PRESETS["smollm2-135m"]) == 30 * 768  # docs/design.md
 
 
 @pytest.mark.parametrize(

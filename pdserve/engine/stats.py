@@ -1,4 +1,4 @@
-"""What an engine node reports about itself: `EngineStats`, filled from vLLM's stat loggers.
+"""How an engine node fills `NodeStats` from vLLM's stat loggers.
 
 vLLM calls every stat logger once per engine step with the scheduler's view (running, waiting, KV
 cache usage, KV connector stats, and — with `enable_logging_iteration_details` — the step's prompt
@@ -10,82 +10,29 @@ Utilization is estimated per step with the roofline model (`pdserve.roofline.liv
 
 from __future__ import annotations
 
-import bisect
 import logging
-from dataclasses import asdict, dataclass, field
+from collections import OrderedDict
 from typing import Any
 
-from pdserve.kv.stats import KVStatsTotals
+from pdserve.engine.types import NodeStats
 from pdserve.roofline.live import Peaks, step_work
 from pdserve.roofline.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-"""Upper bounds (seconds) of the queue-time histogram each engine keeps."""
-
-
-@dataclass
-class EngineStats:
-    """A node's live load, as the router's policies and the metrics see it."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    max_num_seqs: int = 0
-    prompt_tokens_total: int = 0
-    prompt_tokens_computed_total: int = 0
-    prompt_tokens_transferred_total: int = 0
-    prompt_tokens_cached_total: int = 0
-    generation_tokens_total: int = 0
-    requests_started_total: int = 0
-    requests_finished_total: int = 0
-    engine_steps_total: int = 0
-    busy_seconds_total: float = 0.0
-    """Time the engine spent executing steps."""
-    prompt_busy_seconds_total: float = 0.0
-    """The share of that time spent on prompt tokens (each step split by its token mix)."""
-    estimated_flops_total: float = 0.0
-    estimated_bytes_total: float = 0.0
-    peak_flops: float = 0.0
-    peak_mem_bandwidth: float = 0.0
-    peaks_source: str = ""
-    queue_time_counts: list[int] = field(default_factory=lambda: [0] * len(QUEUE_TIME_BUCKETS))
-    """Requests whose time in the engine's waiting queue was <= each bucket (not cumulative)."""
-    queue_time_overflow: int = 0
-    queue_time_sum: float = 0.0
-    gpu_sm_utilization: float | None = None
-    """NVML's utilization.gpu (share of time a kernel ran), 0..1; None without a GPU."""
-    gpu_memory_utilization: float | None = None
-    """NVML's utilization.memory (share of time device memory was read or written), 0..1."""
-    decode_context_tokens: int = 0
-    """Tokens cached by the sequences this engine is decoding (kept by the engine actor)."""
-    kv: KVStatsTotals = field(default_factory=KVStatsTotals)
-
-    def observe_queue_time(self, seconds: float) -> None:
-        index = bisect.bisect_left(QUEUE_TIME_BUCKETS, seconds)
-        if index < len(QUEUE_TIME_BUCKETS):
-            self.queue_time_counts[index] += 1
-        else:
-            self.queue_time_overflow += 1
-        self.queue_time_sum += seconds
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["kv"] = self.kv.as_dict()
-        data["queue_time_buckets"] = list(QUEUE_TIME_BUCKETS)
-        return data
+RECENT_FAILURES = 1000
+"""Failed KV pulls remembered per engine (the decode node looks a request's reason up)."""
 
 
 class StatsCollector:
-    """Folds vLLM's per-step stats into `EngineStats` (wrapped as a vLLM stat logger by
+    """Folds vLLM's per-step stats into `NodeStats` (wrapped as a vLLM stat logger by
     `stat_logger_factory`). `model` enables the utilization estimate once the engine knows it."""
 
-    def __init__(self, stats: EngineStats) -> None:
+    def __init__(self, stats: NodeStats) -> None:
         self.stats = stats
         self.model: ModelSpec | None = None
-        self.decoding = 0
-        """Sequences this engine is decoding now (kept by the engine actor with the context)."""
+        self.kv_failures: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        """vLLM request id -> (reason, message) of recent failed pulls."""
 
     def set_peaks(self, peaks: Peaks) -> None:
         self.stats.peak_flops = peaks.flops
@@ -99,7 +46,11 @@ class StatsCollector:
             stats.waiting = scheduler_stats.num_waiting_reqs
             stats.kv_cache_usage = scheduler_stats.kv_cache_usage
             stats.engine_steps_total += 1
-            stats.kv.observe(scheduler_stats.kv_connector_stats)
+            failed = stats.kv.observe(scheduler_stats.kv_connector_stats)
+            for request_id, reason, message in failed:
+                self.kv_failures[request_id] = (reason, message)
+            while len(self.kv_failures) > RECENT_FAILURES:
+                self.kv_failures.popitem(last=False)
             self._step(scheduler_stats.iteration_details)
         if iteration_stats is not None:
             prompt = iteration_stats.prompt_token_stats
@@ -167,7 +118,7 @@ class GpuSampler:
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0))
         self._nvml = pynvml
 
-    def sample(self, stats: EngineStats) -> None:
+    def sample(self, stats: NodeStats) -> None:
         rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
         stats.gpu_sm_utilization = rates.gpu / 100.0
         stats.gpu_memory_utilization = rates.memory / 100.0

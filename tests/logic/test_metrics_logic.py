@@ -4,20 +4,24 @@ windows, load and balance, request timing, and the series the pool collector exp
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine_stats import QUEUE_TIME_BUCKETS, EngineStats, StatsCollector
+from pdserve.engine.stats import StatsCollector
+from pdserve.engine.types import QUEUE_TIME_BUCKETS, NodeStats
 from pdserve.roofline.live import Peaks, resolve_peaks, step_work
 from pdserve.roofline.model import kv_bytes_per_token, weight_bytes
 from pdserve.roofline.specs import PRESETS
 from router.metrics import RequestTimer, RouterMetrics
 from router.metrics import events as events_module
-from router.metrics.balance import Window, balance_ratio, node_load, pool_load
-from router.pools import Node, Pool
+from router.metrics.balance import Window, balance_ratio, counters, node_load, pool_load
+from router.nodes import Node
+from router.policies import make_policy
+from router.pools import Pool
 
 SMOL = PRESETS["smollm2-135m"]  # 576 hidden, 30 layers, 9 heads, 3 KV heads, 64 head dim, 1536
 
@@ -86,7 +90,7 @@ def _scheduler(details, running=1, waiting=0, usage=0.1):
 
 
 def test_collector_splits_step_time_by_token_mix_and_adds_work():
-    stats = EngineStats()
+    stats = NodeStats()
     collector = StatsCollector(stats)
     collector.model = SMOL
     stats.decode_context_tokens = 300
@@ -101,7 +105,7 @@ def test_collector_splits_step_time_by_token_mix_and_adds_work():
 
 
 def test_queue_time_histogram_buckets():
-    stats = EngineStats()
+    stats = NodeStats()
     for seconds in (0.0005, 0.003, 0.003, 12.0, 100.0):
         stats.observe_queue_time(seconds)
     assert stats.queue_time_counts[0] == 1  # <= 1 ms
@@ -132,34 +136,37 @@ def test_window_rates_use_the_oldest_sample_inside_the_window():
 
 
 def test_node_load_is_compute_or_memory_plus_queue():
-    prefill = {"max_num_seqs": 64, "kv_cache_usage": 0.05, "running": 1, "waiting": 0}
+    prefill = NodeStats(max_num_seqs=64, kv_cache_usage=0.05, running=1, waiting=0)
     assert node_load(prefill, Window(10, 0, 0, 0.7, 0.6)) == pytest.approx(0.6)
-    decode = {"max_num_seqs": 64, "kv_cache_usage": 0.3, "running": 32, "waiting": 0}
+    decode = NodeStats(max_num_seqs=64, kv_cache_usage=0.3, running=32, waiting=0)
     assert node_load(decode, Window(10, 0, 0, 1.0, 0.01)) == pytest.approx(0.5)
-    queued = {**decode, "waiting": 64}
+    queued = replace(decode, waiting=64)
     assert node_load(queued, None) == pytest.approx(1.5)
     assert pool_load([0.2, 0.4]) == pytest.approx(0.3) and pool_load([]) is None
     assert balance_ratio(0.9, 0.3) == pytest.approx(3.0)
     assert balance_ratio(0.0, 0.0) == 1.0
 
 
-def _node_stats(**overrides) -> dict:
-    stats = EngineStats(max_num_seqs=64, peak_flops=1e11, peak_mem_bandwidth=1e10)
+def _node_stats(**overrides) -> NodeStats:
+    stats = NodeStats(max_num_seqs=64, peak_flops=1e11, peak_mem_bandwidth=1e10)
     stats.peaks_source = "measured"
-    data = stats.as_dict()
-    data.update(overrides)
-    return data
+    return replace(stats, **overrides)
+
+
+def _node(name: str, stats: NodeStats, healthy: bool = True) -> Node:
+    return Node(name, client=None, healthy=healthy, stats=stats, reported=True)
+
+
+def _pool(name: str, nodes: list[Node]) -> Pool:
+    return Pool(name, nodes, make_policy("least_outstanding", name))
 
 
 def test_pool_collector_exports_nodes_pools_and_balance():
-    prefill = Node("p0", None, stats=_node_stats(running=1))
-    prefill.history.extend(
-        [_sample(0), (10, _node_stats(estimated_flops_total=2e11, prompt_busy_seconds_total=8))]
-    )
-    prefill.stats = prefill.history[-1][1]
-    decode = Node("d0", None, stats=_node_stats(running=16, kv_cache_usage=0.2))
-    dead = Node("d1", None, healthy=False, stats=_node_stats(waiting=500))
-    pools = {"prefill": Pool("prefill", [prefill]), "decode": Pool("decode", [decode, dead])}
+    prefill = _node("p0", _node_stats(estimated_flops_total=2e11, prompt_busy_seconds_total=8))
+    prefill.history.extend([_sample(0), (10, counters(prefill.stats))])
+    decode = _node("d0", _node_stats(running=16, kv_cache_usage=0.2))
+    dead = _node("d1", _node_stats(waiting=500), healthy=False)
+    pools = {"prefill": _pool("prefill", [prefill]), "decode": _pool("decode", [decode, dead])}
     metrics = RouterMetrics(pools, "disaggregated")
     text = generate_latest(metrics.registry).decode()
     values = {
@@ -185,9 +192,9 @@ def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
     clock = iter([1.5, 1.7, 2.1, 2.1])  # first token, +1 token, +2 tokens, finish
     monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
     timer = RequestTimer(metrics, "http", arrival=1.0)
-    timer.tokens_sent(1)
-    timer.tokens_sent(1)
-    timer.tokens_sent(2)
+    timer.tokens(1)
+    timer.tokens(1)
+    timer.tokens(2)
     timer.finished("success")
 
     def value(name, **labels):
@@ -199,3 +206,28 @@ def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
     assert value("pdserve_time_per_output_token_seconds_sum") == pytest.approx(0.6 / 3)
     assert value("pdserve_e2e_request_latency_seconds_sum") == pytest.approx(1.1)
     assert value("pdserve_requests_total", api="http", outcome="success") == 1
+
+
+def test_a_buffered_timer_observes_only_the_run_that_served_the_request(monkeypatch):
+    """A non-streamed request retried after its node failed: the failed run's tokens are
+    dropped, and the latencies of the served run are observed once, at the end."""
+    metrics = RouterMetrics({}, "colocated")
+    clock = iter([1.2, 1.4, 3.0, 3.5])  # failed run: 2 tokens; served run: 2 tokens
+    monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
+    timer = RequestTimer(metrics, "http", arrival=1.0, live=False)
+    timer.tokens(1)
+    timer.tokens(1)
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value(name, labels or None)
+
+    assert value("pdserve_time_to_first_token_seconds_count") == 0  # nothing observed yet
+    timer.restart()
+    timer.tokens(1)
+    timer.tokens(1)
+    timer.finished("success")
+    assert value("pdserve_time_to_first_token_seconds_count") == 1
+    assert value("pdserve_time_to_first_token_seconds_sum") == pytest.approx(2.0)
+    assert value("pdserve_inter_token_latency_seconds_count") == 1
+    assert value("pdserve_inter_token_latency_seconds_sum") == pytest.approx(0.5)
+    assert value("pdserve_e2e_request_latency_seconds_count") == 1

@@ -1,0 +1,191 @@
+"""The consumer half of pdserve's KV connector: how a decode engine loads a prefill's KV.
+
+vLLM builds the connector twice per engine (`pdserve.kv.connector.PDServeConnector`); on a
+`kv_consumer` (or `kv_both`) engine each instance holds one of these halves:
+
+- `ConsumerScheduler` (EngineCore process): a request that arrives with a handle in
+  `kv_transfer_params` is matched for all the prompt tokens the producer computed that are not
+  already cached here (`get_num_new_matched_tokens`); vLLM allocates blocks and parks the request
+  in WAITING_FOR_REMOTE_KVS; `update_state_after_alloc` pairs the fresh local blocks with the
+  producer's and queues the pull for the workers. A handle whose blocks are all cached here is
+  only given back, so the producer frees them at once.
+- `ConsumerWorker` (each worker process): runs each pull on a small thread pool into the fresh
+  blocks (nothing else touches blocks of a request waiting for remote KV) and reports it finished
+  or failed in the next step's `transfer_results`. vLLM then schedules the request from the loaded
+  KV, or applies `kv_load_failure_policy`: `recompute` computes the prefill here, `fail` ends the
+  request with finish reason "error" (the decode node turns that into `KVLoadFailed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from decode_node.kv_client import KVClient
+from pdserve.kv.handle import REMOTE_PREFILL, HandleError, KVHandle, wants_remote_prefill
+from pdserve.kv.settings import ConnectorSettings
+from pdserve.kv.stats import TransferStats
+from pdserve.kv.transport.plane import DataPlane
+from pdserve.kv.wire import TransferError
+
+logger = logging.getLogger(__name__)
+
+PULL_THREADS = 4
+
+
+@dataclass
+class RecvSpec:
+    """Scheduler → worker: pull these producer blocks into these local blocks."""
+
+    params: dict[str, Any]
+    """The handle as it arrived (kv_transfer_params)."""
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    release_only: bool = False
+    """Nothing to load (all cached here): only tell the producer to free its blocks now."""
+
+
+class ConsumerScheduler:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self._recv: dict[str, RecvSpec] = {}
+        self._receiving: set[str] = set()
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """The producer computed `remote_num_tokens` of this prompt; load what is not cached.
+
+        Callers append the producer's sampled token to the prompt, so the loaded KV covers all
+        but the last prompt token and the first local step is an ordinary decode step: exactly
+        what a single engine computes after its prefill. Given the bare prompt instead, vLLM
+        recomputes the last prompt token itself (correct, but not bit-identical in bf16)."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return 0, False
+        try:
+            produced = int(params.get("remote_num_tokens", request.num_prompt_tokens))
+        except (TypeError, ValueError):
+            produced = request.num_prompt_tokens
+        remaining = min(produced, request.num_prompt_tokens) - num_computed_tokens
+        return (remaining, True) if remaining > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        params[REMOTE_PREFILL] = False  # one pull per request, even if called again
+        if num_external_tokens <= 0:
+            self._release_unneeded(request.request_id, params)
+            return
+        local_all = list(blocks.get_block_ids()[0])
+        fresh = list(blocks.get_unhashed_block_ids())
+        cached = len(local_all) - len(fresh)
+        try:
+            handle = KVHandle.from_params(params)
+            remote = list(handle.block_ids[cached : cached + len(fresh)])
+            if len(remote) != len(fresh):
+                raise HandleError(
+                    f"handle holds {len(handle.block_ids)} blocks; {cached + len(fresh)} needed"
+                )
+        except HandleError as error:
+            logger.warning("request %s: %s", request.request_id, error)
+            remote = []
+        self._recv[request.request_id] = RecvSpec(dict(params), remote, fresh)
+        self._receiving.add(request.request_id)
+
+    def _release_unneeded(self, request_id: str, params: dict) -> None:
+        """Everything was cached here: let the producer free its blocks instead of waiting for
+        the lease (the request is not waiting for KV, so vLLM hears nothing of this)."""
+        try:
+            KVHandle.from_params(params)
+        except HandleError:
+            return
+        self._recv[f"release:{request_id}"] = RecvSpec(dict(params), [], [], release_only=True)
+
+    def is_receiving(self, request_id: str) -> bool:
+        """A pull still writes into this request's blocks (free them when it ends)."""
+        return request_id in self._receiving
+
+    def take_pulls(self) -> dict[str, RecvSpec]:
+        pulls, self._recv = self._recv, {}
+        return pulls
+
+    def pulls_ended(self, request_ids: set[str]) -> None:
+        self._receiving -= request_ids
+
+
+class ConsumerWorker:
+    def __init__(
+        self, settings: ConnectorSettings, plane: DataPlane, stats: TransferStats, tp_rank: int
+    ) -> None:
+        self.settings = settings
+        self.stats = stats
+        self.tp_rank = tp_rank
+        self.client = KVClient(plane, settings.read_secret)
+        self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="pdserve-kv-pull")
+        self._lock = threading.Lock()
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+
+    def start(self, pulls: dict[str, RecvSpec]) -> None:
+        for request_id, spec in pulls.items():
+            if spec.release_only:
+                self._pool.submit(self._release, spec)
+                continue
+            self.stats.started()
+            self._pool.submit(self._pull, request_id, spec)
+
+    def _release(self, spec: RecvSpec) -> None:
+        try:
+            handle = KVHandle.from_params(spec.params)
+            deadline = time.monotonic() + min(self.settings.timeout_s, 5.0)
+            self.client.pull(handle, [], [], self.tp_rank, deadline)
+            self.stats.released()
+        except (TransferError, HandleError) as error:  # the lease will free them instead
+            logger.info("could not release unneeded KV at the producer: %s", error)
+
+    def _pull(self, request_id: str, spec: RecvSpec) -> None:
+        started = time.monotonic()
+        try:
+            if not spec.remote_block_ids:
+                raise TransferError("bad_handle", "the request's kv_transfer_params are not usable")
+            handle = KVHandle.from_params(spec.params)
+            lease_left = handle.lease_deadline - time.time()
+            if lease_left <= 0:
+                raise TransferError("lease_expired", f"lease ended {-lease_left:.1f} s ago")
+            deadline = started + min(self.settings.timeout_s, lease_left)
+            moved = self.client.pull(
+                handle, spec.remote_block_ids, spec.local_block_ids, self.tp_rank, deadline
+            )
+            self.stats.transfer("received", moved, time.monotonic() - started)
+            failed = False
+        except (TransferError, HandleError) as error:
+            reason = getattr(error, "reason", "bad_handle")
+            self.stats.failure(reason, request_id, str(error))
+            logger.warning("KV pull for %s failed (%s): %s", request_id, reason, error)
+            failed = True
+        except Exception:  # never leave a request waiting for remote KV forever
+            logger.exception("KV pull for %s crashed", request_id)
+            self.stats.failure("connection_reset", request_id, "the pull crashed")
+            failed = True
+        finally:
+            self.stats.ended()
+        with self._lock:
+            self._received.add(request_id)
+            if failed:
+                self._failed.add(request_id)
+
+    def results(self) -> tuple[set[str], set[str]]:
+        """Pulls that ended since the last call: (all ended, of which failed)."""
+        with self._lock:
+            received, failed = self._received, self._failed
+            self._received, self._failed = set(), set()
+        return received, failed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,178 @@
+"""The prefill node's KV server: hands leased blocks to decode workers that prove the secret.
+
+One connection serves one pull, in the order of proto/pdserve/v1/kv_transfer.proto:
+1. Challenge → the consumer's HMAC answer (wrong secret: refused, closed, nothing sent) → our
+   own proof back (mutual authentication).
+2. The consumer's KV layout; the first field that differs ends the conversation.
+3. Its PullRequest: the lease table is asked for the blocks (`ProducerTable.claim`); a pull that
+   arrives before the worker heard of the request carries the scheduler's signed lease.
+4. PullReply with the byte count, then the bytes through the data plane (TCP or NCCL), then the
+   consumer's PullDone: only a completed pull lets the blocks go.
+Every connection holds one of `MAX_CONNECTIONS` slots; every read has `CONTROL_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.kv.layout import mismatch
+from pdserve.kv.stats import TransferStats
+from pdserve.kv.transport.plane import DataPlane
+from pdserve.kv.wire import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    layout_from_pb,
+    lease_token,
+    new_nonce,
+    proof,
+    recv_message,
+    send_message,
+    verify,
+)
+from pdserve_proto.v1 import kv_transfer_pb2 as pb
+from prefill_node.leases import ClaimError, ProducerTable
+
+logger = logging.getLogger(__name__)
+
+CLAIM_WAIT_S = 5.0
+"""How long a pull may wait for the producer's worker to learn of the request it asks for."""
+CONTROL_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 64
+
+_REFUSAL = {
+    "unknown_request": pb.PullReply.UNKNOWN_REQUEST,
+    "lease_expired": pb.PullReply.LEASE_EXPIRED,
+    "bad_blocks": pb.PullReply.BAD_BLOCKS,
+}
+
+
+class KVServer:
+    def __init__(
+        self,
+        plane: DataPlane,
+        table: ProducerTable,
+        secret: Callable[[], bytes],
+        stats: TransferStats,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.plane, self.table, self.stats = plane, table, stats
+        self._secret = secret
+        self.host, self.port = host, port
+        self._server: socket.socket | None = None
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = threading.Event()
+        self._active: set[socket.socket] = set()
+        self._active_lock = threading.Lock()
+
+    def start(self) -> int:
+        """Listen for pulls on host:port (0 picks a port); returns the bound port."""
+        self._server = socket.create_server((self.host, self.port), backlog=MAX_CONNECTIONS)
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name="pdserve-kv-server", daemon=True).start()
+        logger.info("KV server (%s) listening on %s:%d", self.plane.name, self.host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        """Stop serving: no new connections, and transfers in progress are cut."""
+        self._closed.set()
+        if self._server is not None:
+            self._server.close()
+        with self._active_lock:
+            for conn in self._active:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._server.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                logger.warning("KV server: too many connections; refusing %s", peer)
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve_connection,
+                args=(conn, peer),
+                name="pdserve-kv-conn",
+                daemon=True,
+            ).start()
+
+    def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
+        with self._active_lock:
+            self._active.add(conn)
+        try:
+            conn.settimeout(CONTROL_TIMEOUT_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._authenticate_peer(conn)
+            handshake = recv_message(conn, pb.Handshake)
+            problem = mismatch(self.plane.layout, layout_from_pb(handshake.layout))
+            send_message(conn, pb.HandshakeResult(ok=problem is None, message=problem or ""))
+            if problem:
+                raise ProtocolError(problem)
+            pairing = {
+                "nccl_unique_id": handshake.nccl_unique_id,
+                "nccl_pair_key": handshake.nccl_pair_key,
+            }
+            link = self.plane.producer_link(pairing)
+            self._serve_pull(conn, recv_message(conn, pb.PullRequest), link)
+        except (ProtocolError, ConnectionError, TimeoutError, OSError) as error:
+            logger.warning("KV server: closed connection from %s: %s", peer, error)
+        finally:
+            with self._active_lock:
+                self._active.discard(conn)
+            conn.close()
+            self._slots.release()
+
+    def _authenticate_peer(self, conn: socket.socket) -> None:
+        nonce = new_nonce()
+        send_message(conn, pb.Challenge(protocol_version=PROTOCOL_VERSION, nonce=nonce))
+        answer = recv_message(conn, pb.AuthResponse)
+        secret = self._secret()
+        if not verify(proof(secret, b"consumer", nonce, answer.nonce), answer.mac):
+            send_message(conn, pb.AuthResult(ok=False, message="authentication failed"))
+            raise ProtocolError("peer failed authentication (wrong cluster secret)")
+        mac = proof(secret, b"producer", answer.nonce, nonce)
+        send_message(conn, pb.AuthResult(ok=True, mac=mac))
+
+    def _serve_pull(self, conn: socket.socket, request: pb.PullRequest, link: Any) -> None:
+        blocks = list(request.block_ids)
+        held = list(request.held_block_ids)
+        token = lease_token(self._secret(), request.request_id, held, request.lease_deadline)
+        grant = (held, request.lease_deadline) if verify(token, request.lease_token) else None
+        try:
+            self.table.claim(request.request_id, blocks, CLAIM_WAIT_S, grant)
+        except ClaimError as refused:
+            reply = pb.PullReply(status=_REFUSAL[refused.reason], message=str(refused))
+            send_message(conn, reply)
+            logger.warning("KV server: refused pull of %s: %s", request.request_id, refused)
+            return
+        completed = False
+        started = time.monotonic()
+        total = self.plane.payload_bytes(len(blocks))
+        try:
+            send_message(
+                conn,
+                pb.PullReply(
+                    status=pb.PullReply.OK,
+                    total_bytes=total,
+                    num_layers=self.plane.layout.num_layers,
+                    num_blocks=len(blocks),
+                ),
+            )
+            self.plane.send_blocks(conn, blocks, time.monotonic() + SEND_TIMEOUT_S, link)
+            completed = recv_message(conn, pb.PullDone).ok
+            if completed:
+                self.stats.transfer("sent", total, time.monotonic() - started)
+        finally:
+            self.table.release(request.request_id, completed)

@@ -1,0 +1,62 @@
+"""Engine nodes as the router sees them: a client to reach the node, and its live state.
+
+`NodeClient` is the one interface between the router and a node process: production uses
+`RayNodeClient` (router/ray_nodes.py, a Ray actor handle); tests use fakes. Everything else in
+the router (pools, policies, dispatch, metrics) works on `Node`s and never imports Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
+
+STATS_HISTORY = 120
+"""Stats samples kept per node (two minutes at the 1 s health-check interval)."""
+
+
+class NodeClient(ABC):
+    """How the router reaches one node. Methods raise `router.errors.NodeFailed` when the node
+    died or cannot be reached; any other exception is the node's own answer."""
+
+    @abstractmethod
+    def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
+        """Call one of the node's streaming methods ("generate", "prefill", "decode") and yield
+        its deltas. Closing the iterator before the last delta cancels the call on the node,
+        which aborts the request in its engine and frees its blocks."""
+
+    @abstractmethod
+    async def start(self) -> NodeInfo:
+        """Build the node's engine (after a restart the node is up without one)."""
+
+    @abstractmethod
+    async def check_health(self) -> bool:
+        """True when the engine is up; False when the node runs without an engine."""
+
+    @abstractmethod
+    async def stats(self) -> NodeStats:
+        """The node's current load and running totals."""
+
+
+@dataclass
+class Node:
+    name: str
+    client: NodeClient
+    info: NodeInfo | None = None
+    healthy: bool = True
+    outstanding: int = 0
+    """Requests (or request legs) the router has open on the node."""
+    outstanding_prompt_tokens: int = 0
+    """Prompt tokens of those requests."""
+    stats: NodeStats = field(default_factory=NodeStats)
+    """What the node reported in its last health check."""
+    reported: bool = False
+    """Whether the node has reported stats yet."""
+    restarting: bool = False
+    missed_checks: int = 0
+    history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
+    """(monotonic time, counters) of recent health checks: the metrics' rate windows."""

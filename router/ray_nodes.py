@@ -1,0 +1,59 @@
+"""`NodeClient` over Ray: a node is an engine actor, its streaming methods Ray streaming calls.
+
+Ray reports a dead or restarting actor as `ActorDiedError` / `ActorUnavailableError` (within
+milliseconds of the process dying); both become `NodeFailed`. An exception the node's own code
+raised (e.g. `KVLoadFailed`) arrives as itself. A stream closed before its last delta is
+cancelled with `ray.cancel`: vLLM sees `CancelledError` and aborts the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
+from router.errors import NodeFailed
+from router.nodes import NodeClient
+
+logger = logging.getLogger(__name__)
+
+NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+class RayNodeClient(NodeClient):
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
+        call = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
+        finished = False
+        try:
+            async for ref in call:
+                delta: TokenDelta = await ref
+                finished = delta.finish_reason is not None
+                yield delta
+        except NODE_FAILURES as error:
+            raise NodeFailed(type(error).__name__) from None
+        finally:
+            if not finished:
+                ray.cancel(call)
+                logger.info("%s call %s cancelled on the node", method, args[0] if args else "")
+
+    async def start(self) -> NodeInfo:
+        return await self._call("start")
+
+    async def check_health(self) -> bool:
+        return await self._call("check_health")
+
+    async def stats(self) -> NodeStats:
+        return await self._call("stats")
+
+    async def _call(self, method: str) -> Any:
+        try:
+            return await getattr(self.handle, method).remote()
+        except NODE_FAILURES as error:
+            raise NodeFailed(type(error).__name__) from None

@@ -1,0 +1,127 @@
+"""The router's service, shared by both edges (OpenAI HTTP and gRPC).
+
+Life of a request here:
+1. `open(kind, body, api)`: the frontend validates and tokenizes the body, the dispatcher says
+   whether any node can take it, and admission gives it a slot — or it is refused with a
+   `RequestError` (and counted).
+2. `stream(request)` or `collect(request)`: the request runs under the retry policy
+   (router/retry.py) with its deadline (`router.request_timeout_s` from arrival); its latencies
+   are observed once, its outcome counted, and its slot released however it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.types import TokenDelta
+from router.admission import Admission, Slot
+from router.errors import NodeFailed, RequestError
+from router.metrics import RequestTimer, RouterMetrics
+from router.request import PreparedRequest
+from router.retry import RESTART, RetryPolicy, runs
+
+
+@dataclass
+class Collected:
+    """A whole response, gathered from its deltas."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+
+    def add(self, delta: TokenDelta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
+
+
+@dataclass
+class Admitted:
+    """A request that holds an admission slot (release it by running it to its end)."""
+
+    prepared: PreparedRequest
+    slot: Slot
+    timer: RequestTimer
+
+
+class RouterService:
+    def __init__(
+        self,
+        frontend: Any,
+        dispatcher: Any,
+        metrics: RouterMetrics,
+        admission: Admission,
+        retry: RetryPolicy,
+        request_timeout_s: float,
+    ) -> None:
+        self.frontend, self.dispatcher, self.metrics = frontend, dispatcher, metrics
+        self.admission, self.retry = admission, retry
+        self.request_timeout_s = request_timeout_s
+
+    def open(self, kind: str, body: Any, api: str) -> Admitted:
+        """Validate, check the pools, admit; a refusal is counted and raised."""
+        try:
+            prepared = self.frontend.prepare(kind, body)
+            self.dispatcher.check_available()
+            slot = self.admission.admit()
+        except RequestError as error:
+            self.rejected(api, error)
+            raise
+        timer = RequestTimer(self.metrics, api, prepared.arrival, live=prepared.stream)
+        return Admitted(prepared, slot, timer)
+
+    def rejected(self, api: str, error: RequestError) -> None:
+        """Count a request refused before it was admitted (bad input, auth, full, no pool)."""
+        self.metrics.requests.labels(api=api, outcome=error.kind).inc()
+
+    def _on_retry(self, error: NodeFailed) -> None:
+        self.metrics.retries.labels(pool=error.pool or "unknown").inc()
+
+    def _runs(self, request: Admitted) -> AsyncIterator[TokenDelta | object]:
+        prepared = request.prepared
+        deadline = prepared.arrival + self.request_timeout_s
+        return runs(self.dispatcher, prepared, deadline, self.retry, self._on_retry)
+
+    async def stream(self, request: Admitted) -> AsyncIterator[TokenDelta]:
+        """The deltas of a streamed request, as they come."""
+        outcome = "cancelled"  # until it ends another way
+        try:
+            async with aclosing(self._runs(request)) as deltas:
+                async for delta in deltas:
+                    request.timer.tokens(len(delta.token_ids))
+                    yield delta
+            outcome = "success"
+        except RequestError as error:
+            outcome = error.kind
+            raise
+        finally:
+            request.slot.release()
+            request.timer.finished(outcome)
+
+    async def collect(self, request: Admitted) -> Collected:
+        """A non-streamed request's whole response."""
+        outcome, got = "cancelled", Collected()
+        try:
+            async with aclosing(self._runs(request)) as deltas:
+                async for delta in deltas:
+                    if delta is RESTART:
+                        got = Collected()
+                        request.timer.restart()
+                        continue
+                    request.timer.tokens(len(delta.token_ids))
+                    got.add(delta)
+            outcome = "success"
+            return got
+        except RequestError as error:
+            outcome = error.kind
+            raise
+        finally:
+            request.slot.release()
+            request.timer.finished(outcome)

@@ -1,0 +1,116 @@
+"""Fake engine nodes for the router's tests: scripted `NodeClient`s with no Ray and no vLLM.
+
+A fake node "generates" deterministic tokens (100, 101, ...; text " t0", " t1", ...) and
+records every call and whether the router cancelled it. Faults are scripted per node:
+`die_after` (the node dies after that many deltas of its next call), `kv_failure` (its decode
+reports a failed KV pull), `delay_s` (between deltas), `first_finishes` (its prefill's token
+ends the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, TokenDelta
+from router.dispatch import Colocated, Disaggregated
+from router.errors import NodeFailed
+from router.nodes import Node, NodeClient
+from router.policies import make_policy
+from router.pools import Pool
+from router.request import PreparedRequest
+
+
+@dataclass
+class Call:
+    method: str
+    request_id: str
+    prompt: list[int]
+    args: tuple
+    deltas: int = 0
+    cancelled: bool = False
+    finished: bool = False
+
+
+@dataclass
+class FakeNode(NodeClient):
+    name: str
+    die_after: int | None = None
+    kv_failure: bool = False
+    delay_s: float = 0.0
+    first_finishes: bool = False
+    calls: list[Call] = field(default_factory=list)
+    healthy: bool = True
+
+    def token(self, index: int) -> TokenDelta:
+        return TokenDelta([100 + index], f" t{index}")
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
+        request_id, prompt, params, *rest = args
+        call = Call(method, request_id, list(prompt), tuple(rest))
+        self.calls.append(call)
+        if method == "prefill":
+            plan = [TokenDelta([100], " t0", num_prompt_tokens=len(prompt))]
+        elif method == "decode":
+            plan = [self.token(i) for i in range(1, params.max_tokens)]
+        else:
+            plan = [self.token(i) for i in range(params.max_tokens)]
+        if plan:
+            finish = "stop" if method == "prefill" and self.first_finishes else "length"
+            handle = {"node": self.name, "request": request_id} if method == "prefill" else None
+            plan[-1] = TokenDelta(
+                plan[-1].token_ids, plan[-1].text, finish, None, len(prompt), handle
+            )
+        try:
+            for index, delta in enumerate(plan):
+                if self.die_after is not None and index >= self.die_after:
+                    self.die_after, self.healthy = None, False
+                    raise NodeFailed("ActorDiedError")
+                if method == "decode" and self.kv_failure:
+                    raise KVLoadFailed("connect", "cannot reach KV server")
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                call.deltas += 1
+                yield delta
+            call.finished = True
+        finally:
+            call.cancelled = not call.finished
+
+    async def start(self) -> NodeInfo:
+        self.healthy = True
+        return NodeInfo(self.name, 1, "ray-node", 2048, 128, 0.1)
+
+    async def check_health(self) -> bool:
+        if not self.healthy:
+            raise NodeFailed("ActorDiedError")
+        return True
+
+    async def stats(self) -> NodeStats:
+        return NodeStats(max_num_seqs=64)
+
+
+def pool(name: str, *fakes: FakeNode) -> Pool:
+    nodes = [Node(f.name, f, NodeInfo(f.name, 1, "ray-node", 2048, 128, 0.1)) for f in fakes]
+    return Pool(name, nodes, make_policy("round_robin", name))
+
+
+def disaggregated(prefill: list[FakeNode], decode: list[FakeNode], fallback: bool = True):
+    return Disaggregated(pool("prefill", *prefill), pool("decode", *decode), fallback)
+
+
+def colocated(*fakes: FakeNode) -> Colocated:
+    return Colocated(pool("colocated", *fakes))
+
+
+def prepared(max_tokens: int = 5, stream: bool = True, prompt_len: int = 4) -> PreparedRequest:
+    return PreparedRequest(
+        request_id="cmpl-test",
+        kind="completion",
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SimpleNamespace(max_tokens=max_tokens),
+        stream=stream,
+        include_usage=False,
+    )

@@ -1,0 +1,255 @@
+"""Dispatch, the retry policy and admission with fake nodes: placement across the seam, fallback,
+retries, cancellation and deadlines (no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.admission import Admission
+from router.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    KVTransferFailed,
+    NodeFailed,
+    Overloaded,
+    PoolUnavailable,
+)
+from router.metrics import RouterMetrics
+from router.retry import RESTART, RetryPolicy, runs
+from router.service import RouterService
+from tests.helpers.fake_nodes import FakeNode, colocated, disaggregated, prepared
+
+DEADLINE_S = 30.0
+
+
+async def collect(dispatcher, request, policy=None, retried=None):
+    out = []
+    async for delta in runs(
+        dispatcher,
+        request,
+        time.monotonic() + DEADLINE_S,
+        policy or RetryPolicy(3),
+        (retried if retried is not None else []).append,
+    ):
+        out.append(delta)
+    return out
+
+
+def tokens(deltas) -> list[int]:
+    return [t for d in deltas if d is not RESTART for t in d.token_ids]
+
+
+async def test_colocated_runs_the_whole_request_on_one_node():
+    node = FakeNode("c0")
+    got = await collect(colocated(node), prepared(max_tokens=3))
+    assert tokens(got) == [100, 101, 102] and got[-1].finish_reason == "length"
+    assert [c.method for c in node.calls] == ["generate"]
+
+
+async def test_the_seam_prefill_gives_the_first_token_decode_the_rest():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    got = await collect(disaggregated([p], [d]), prepared(max_tokens=4))
+    assert tokens(got) == [100, 101, 102, 103]
+    assert all(delta.handle is None for delta in got)  # the handle never leaves the router
+    (prefill,), (decode,) = p.calls, d.calls
+    assert prefill.method == "prefill" and decode.method == "decode"
+    assert decode.prompt == prefill.prompt == [1, 2, 3, 4]
+    first_tokens, handle = decode.args
+    assert first_tokens == [100] and handle == {"node": "p0", "request": prefill.request_id}
+
+
+async def test_one_token_is_the_prefill_nodes_alone():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    picked = []
+    for pool in dispatcher.pools.values():
+        pool.on_pick = lambda pool, node: picked.append(pool)
+    got = await collect(dispatcher, prepared(max_tokens=1))
+    assert tokens(got) == [100] and [c.method for c in p.calls] == ["generate"]
+    assert not d.calls and picked == ["prefill"]
+
+
+async def test_a_first_token_that_ends_the_request_ends_it_there():
+    p, d = FakeNode("p0", first_finishes=True), FakeNode("d0")
+    got = await collect(disaggregated([p], [d]), prepared(max_tokens=8))
+    assert tokens(got) == [100] and got[-1].finish_reason == "stop" and not d.calls
+
+
+async def test_no_prefill_node_the_decode_node_prefills_or_503():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    fallbacks = []
+    dispatcher.on_fallback = lambda: fallbacks.append(1)
+    dispatcher.prefill.nodes[0].healthy = False
+    got = await collect(dispatcher, prepared(max_tokens=3))
+    assert tokens(got) == [100, 101, 102] and [c.method for c in d.calls] == ["generate"]
+    assert fallbacks == [1] and not p.calls
+    strict = disaggregated([FakeNode("p1")], [FakeNode("d1")], fallback=False)
+    strict.prefill.nodes[0].healthy = False
+    with pytest.raises(PoolUnavailable, match="prefill"):
+        strict.check_available()
+    with pytest.raises(PoolUnavailable, match="prefill"):
+        await collect(strict, prepared())
+
+
+async def test_a_prefill_node_dying_before_output_is_retried_on_another():
+    dead, alive, d = FakeNode("p0", die_after=0), FakeNode("p1"), FakeNode("d0")
+    dispatcher = disaggregated([dead, alive], [d])
+    retried: list[NodeFailed] = []
+    got = await collect(dispatcher, prepared(max_tokens=3), retried=retried)
+    assert tokens(got) == [100, 101, 102]
+    assert [e.pool for e in retried] == ["prefill"] and "p0" in retried[0].message
+    assert not dispatcher.prefill.nodes[0].healthy  # out of the pool at once
+    assert len(alive.calls) == 1
+
+
+async def test_the_last_prefill_node_dying_falls_back_to_the_decode_node():
+    p, d = FakeNode("p0", die_after=0), FakeNode("d0")
+    got = await collect(disaggregated([p], [d]), prepared(max_tokens=3))
+    assert tokens(got) == [100, 101, 102]
+    assert [c.method for c in d.calls] == ["generate"]
+
+
+async def test_a_streamed_request_that_reached_the_client_is_not_retried():
+    p, d = FakeNode("p0"), FakeNode("d0", die_after=1)
+    retried = []
+    with pytest.raises(NodeFailed, match="decode node d0"):
+        await collect(disaggregated([p], [d]), prepared(max_tokens=5), retried=retried)
+    assert retried == []
+
+
+async def test_a_collected_request_starts_over_without_duplicates():
+    p, d0, d1 = FakeNode("p0"), FakeNode("d0", die_after=2), FakeNode("d1")
+    got = await collect(disaggregated([p], [d0, d1]), prepared(max_tokens=5, stream=False))
+    assert RESTART in got
+    after_restart = got[got.index(RESTART) + 1 :]
+    assert tokens(after_restart) == [100, 101, 102, 103, 104]
+
+
+async def test_attempts_are_bounded_across_every_layer():
+    """Three runs at most, whichever nodes fail (one policy, not one per layer)."""
+    nodes = [FakeNode(f"d{i}", die_after=0) for i in range(5)]
+    dispatcher = colocated(*nodes)
+    retried = []
+    with pytest.raises(NodeFailed):
+        await collect(dispatcher, prepared(stream=False), RetryPolicy(3), retried)
+    assert sum(len(n.calls) for n in nodes) == 3 and len(retried) == 2
+
+
+async def test_a_failed_kv_pull_under_fail_is_an_explicit_error_not_a_retry():
+    p, d = FakeNode("p0"), FakeNode("d0", kv_failure=True)
+    retried = []
+    with pytest.raises(KVTransferFailed, match="KV transfer failed"):
+        await collect(disaggregated([p], [d]), prepared(stream=False), retried=retried)
+    assert retried == [] and len(d.calls) == 1
+
+
+async def test_the_deadline_ends_the_request_and_cancels_it_on_the_node():
+    node = FakeNode("c0", delay_s=0.2)
+    dispatcher = colocated(node)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        async for _ in runs(
+            dispatcher, prepared(max_tokens=50), time.monotonic() + 0.5, RetryPolicy(3), print
+        ):
+            pass
+    assert time.monotonic() - started < 2
+    assert node.calls[0].cancelled
+    assert dispatcher.pool.nodes[0].outstanding == 0
+
+
+async def test_a_caller_that_stops_listening_cancels_both_legs_counts_nothing_left():
+    p, d = FakeNode("p0"), FakeNode("d0", delay_s=0.05)
+    dispatcher = disaggregated([p], [d])
+    stream = runs(dispatcher, prepared(max_tokens=20), time.monotonic() + 30, RetryPolicy(3), print)
+    async for delta in stream:
+        if delta.token_ids == [102]:
+            break
+    await stream.aclose()
+    assert d.calls[0].cancelled and not p.calls[0].cancelled
+    for pool in dispatcher.pools.values():
+        assert pool.nodes[0].outstanding == 0 and pool.nodes[0].outstanding_prompt_tokens == 0
+
+
+class FakeFrontend:
+    served_name = "fake"
+
+    def __init__(self, request) -> None:
+        self.request = request
+
+    def prepare(self, kind, body):
+        if body.get("bad"):
+            raise InvalidRequest("bad request")
+        return self.request
+
+
+def service(dispatcher, request, limit: int = 1) -> RouterService:
+    metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
+    metrics.watch(dispatcher)
+    return RouterService(
+        FakeFrontend(request), dispatcher, metrics, Admission(limit), RetryPolicy(3), 30
+    )
+
+
+def outcome(svc: RouterService, kind: str) -> float:
+    value = svc.metrics.registry.get_sample_value(
+        "pdserve_requests_total", {"api": "http", "outcome": kind}
+    )
+    return value or 0.0
+
+
+async def test_admission_holds_a_slot_per_request_and_always_gives_it_back():
+    svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=3, stream=False))
+    first = svc.open("completion", {}, "http")
+    with pytest.raises(Overloaded, match="retry later"):
+        svc.open("completion", {}, "http")
+    assert outcome(svc, "rate_limit_exceeded") == 1
+    got = await svc.collect(first)
+    assert got.token_ids == [100, 101, 102] and svc.admission.outstanding == 0
+    with pytest.raises(InvalidRequest):
+        svc.open("completion", {"bad": True}, "http")
+    assert outcome(svc, "invalid_request_error") == 1 and svc.admission.outstanding == 0
+    assert outcome(svc, "success") == 1
+
+
+async def test_a_stream_abandoned_by_its_client_releases_its_slot_and_counts_as_cancelled():
+    svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=10))
+    request = svc.open("completion", {}, "http")
+    stream = svc.stream(request)
+    await anext(stream)
+    await stream.aclose()
+    assert svc.admission.outstanding == 0 and outcome(svc, "cancelled") == 1
+    slot = svc.admission.admit()
+    slot.release()
+    slot.release()  # idempotent
+    assert svc.admission.outstanding == 0
+
+
+async def test_service_counts_retries_by_the_pool_whose_node_failed():
+    dispatcher = disaggregated([FakeNode("p0", die_after=0), FakeNode("p1")], [FakeNode("d0")])
+    svc = service(dispatcher, prepared(max_tokens=3, stream=False))
+    got = await svc.collect(svc.open("completion", {}, "http"))
+    assert got.token_ids == [100, 101, 102]
+    retries = svc.metrics.registry.get_sample_value(
+        "pdserve_request_retries_total", {"pool": "prefill"}
+    )
+    assert retries == 1
+
+
+async def test_no_request_waits_past_its_deadline_even_when_the_node_never_answers():
+    class Silent(FakeNode):
+        async def stream(self, method, *args):
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
+
+    dispatcher = colocated(Silent("c0"))
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(collect_until(dispatcher, time.monotonic() + 0.3), timeout=5)
+
+
+async def collect_until(dispatcher, deadline):
+    async for _ in runs(dispatcher, prepared(), deadline, RetryPolicy(3), print):
+        pass

@@ -1,0 +1,188 @@
+"""The router's two edges in-process on port 0 — real HTTP (uvicorn) and real gRPC — over fake
+nodes: response shapes, server-sent events, error codes and events, admission, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+
+from pdserve_proto.v1 import generate_pb2 as pb
+from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
+from router.admission import Admission
+from router.frontend import Frontend
+from router.grpc_api import create_server
+from router.metrics import RouterMetrics
+from router.openai_http import create_app
+from router.retry import RetryPolicy
+from router.service import RouterService
+from tests.helpers.fake_nodes import FakeNode, disaggregated
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")  # the servers' loop
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 2
+
+
+class Router:
+    def __init__(self, url: str, grpc_address: str, service: RouterService, nodes: dict) -> None:
+        self.url, self.grpc, self.service, self.nodes = url, grpc_address, service, nodes
+
+    def reset(self) -> None:
+        for fake in self.nodes.values():
+            fake.die_after, fake.delay_s, fake.kv_failure = None, 0.0, False
+            fake.calls.clear()
+            fake.healthy = True
+        for pool in self.service.dispatcher.pools.values():
+            for node in pool.nodes:
+                node.healthy = True
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router(default_model_dir):
+    import uvicorn
+
+    nodes = {"p0": FakeNode("p0"), "d0": FakeNode("d0")}
+    dispatcher = disaggregated([nodes["p0"]], [nodes["d0"]])
+    metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
+    metrics.watch(dispatcher)
+    frontend = Frontend(str(default_model_dir), "smol", 2048)
+    service = RouterService(frontend, dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
+    config = uvicorn.Config(create_app(service, KEY), host="127.0.0.1", port=0, log_level="error")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    grpc_server, grpc_port, _ = await create_server(service, "127.0.0.1:0", KEY)
+    yield Router(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", service, nodes)
+    await grpc_server.stop(grace=1)
+    server.should_exit = True
+    await task
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http(router):
+    router.reset()
+    async with httpx.AsyncClient(base_url=router.url, headers=AUTH, timeout=30) as client:
+        yield client
+    assert router.service.admission.outstanding == 0
+
+
+def events(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.splitlines() if line]
+
+
+async def test_completion_whole_and_streamed(http, router):
+    body = {"prompt": "Hello there", "max_tokens": 4}
+    whole = (await http.post("/v1/completions", json=body)).json()
+    assert whole["choices"][0]["text"] == " t0 t1 t2 t3"
+    assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["model"] == "smol"
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    response = await http.post("/v1/completions", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    got = events(response.text)
+    assert got[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in got[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " t0 t1 t2 t3"
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert [c.method for c in router.nodes["p0"].calls] == ["prefill", "prefill"]
+
+
+async def test_chat_first_chunk_names_the_role(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    chunks = [
+        json.loads(e)
+        for e in events((await http.post("/v1/chat/completions", json=body)).text)[:-1]
+    ]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " t0 t1 t2"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be"),
+        ({"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ],
+)
+async def test_bad_input_gets_a_json_error(http, body, status, says):
+    response = await http.post("/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert says in error["message"] and error["code"] == status
+
+
+async def test_missing_key_and_bad_json(router, http):
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as anonymous:
+        denied = await anonymous.post("/v1/completions", json={"prompt": "hi"})
+    assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+    raw = await http.post("/v1/completions", content=b"{nope", headers={"content-type": "x"})
+    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+
+
+async def test_a_decode_death_after_the_first_token_is_an_error_event_then_done(http, router):
+    router.nodes["d0"].die_after = 1
+    body = {"prompt": "hi", "max_tokens": 6, "stream": True}
+    got = events((await http.post("/v1/completions", json=body)).text)
+    assert got[-1] == "[DONE]"
+    error = json.loads(got[-2])["error"]
+    assert error["type"] == "engine_error" and "decode node d0" in error["message"]
+    assert json.loads(got[0])["choices"][0]["text"] == " t0"
+
+
+async def test_no_node_left_is_503_and_a_full_router_429(http, router):
+    for pool in router.service.dispatcher.pools.values():
+        pool.nodes[0].healthy = False
+    down = await http.post("/v1/completions", json={"prompt": "hi"})
+    assert down.status_code == 503 and "decode" in down.json()["error"]["message"]
+    assert (await http.get("/health")).status_code == 503
+    router.reset()
+    router.nodes["d0"].delay_s = 0.2
+    body = {"prompt": "hi", "max_tokens": 20, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as one:
+        async with http.stream("POST", "/v1/completions", json=body) as two:
+            assert one.status_code == two.status_code == 200
+            full = await http.post("/v1/completions", json=body)
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+    # both streams were dropped by their client: the node-side calls end, the slots come back
+    deadline = time.monotonic() + 5
+    while router.service.admission.outstanding and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    decode_calls = router.nodes["d0"].calls
+    assert decode_calls and all(c.cancelled for c in decode_calls)
+
+
+async def test_grpc_streams_and_maps_errors(router):
+    async with grpc.aio.insecure_channel(router.grpc) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=3))
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            [r async for r in stub.Generate(request)]
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        auth = (("authorization", f"Bearer {KEY}"),)
+        router.reset()
+        replies = [r async for r in stub.Generate(request, metadata=auth)]
+        assert "".join(r.text for r in replies) == " t0 t1 t2"
+        assert replies[-1].finish_reason == "length" and replies[-1].usage.completion_tokens == 3
+        bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=0))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [r async for r in stub.Generate(bad, metadata=auth)]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        router.nodes["d0"].kv_failure = True
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            [r async for r in stub.Generate(request, metadata=auth)]
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert "KV transfer failed" in failed.value.details()
+    assert router.service.admission.outstanding == 0
