@@ -144,6 +144,8 @@ def test_nothing_points_outside_the_repository():
     outside = []
     for name in tracked:
         path = REPO / name
+        if path.resolve() == Path(__file__).resolve():
+            continue  # this test names what it looks for
         if (
             path.suffix not in (".py", ".md", ".yml", ".yaml", ".sh", ".toml")
             and name != "Makefile"
