@@ -72,6 +72,7 @@ class KVClient:
                     held_block_ids=handle.block_ids,
                     lease_deadline=handle.lease_deadline,
                     lease_token=handle.lease_token,
+                    lease_readers=handle.readers,
                 ),
             )
             reply = recv_message(conn, pb.PullReply)

@@ -2,12 +2,14 @@
 
 Life of a request here:
 1. The router calls `decode(request_id, prompt_token_ids, params, first_token_ids, handle)`:
-   the prompt, the prefill node's first token and its KV handle.
-2. The node runs prompt + first token with the rest of the client's budget (`max_tokens - 1`),
-   the handle in `kv_transfer_params`. The consumer half of the connector (`kv_consumer.py`)
-   pulls the prompt's KV blocks into this engine's paged cache (`kv_client.py`) while the request
-   waits in WAITING_FOR_REMOTE_KVS; decoding then continues from the first token, exactly as one
-   engine would after its own prefill.
+   the prompt, the first token if the prefill node sampled it, and the KV handle.
+2. With a first token, the node runs prompt + first token with the rest of the client's budget
+   (`max_tokens - 1`); without (the router's seam policy, router/seam.py), the bare prompt with
+   the whole budget, so this engine samples every token, the first included, with all of the
+   request's sampling state. The consumer half of the connector (`kv_consumer.py`) pulls the
+   prompt's KV blocks into this engine's paged cache (`kv_client.py`) while the request waits in
+   WAITING_FOR_REMOTE_KVS; decoding then continues exactly as one engine would after its own
+   prefill (without a first token, vLLM recomputes the last prompt position to sample from).
 3. If the pull fails, `kv_transfer.failure_policy` decides: `recompute` computes the prefill
    here (the client sees nothing), `fail` ends the request with `KVLoadFailed` naming the reason.
 Without a handle — the router's fallback when no prefill node is healthy — the node serves the
@@ -32,11 +34,12 @@ FAILURE_REASON_WAIT_S = 2.0
 the next engine step's stats)."""
 
 
-def decode_params(params: Any, handle: dict[str, Any]) -> Any:
-    """The client's sampling parameters for what follows the first token, loading the KV."""
+def decode_params(params: Any, handle: dict[str, Any], first_tokens: int) -> Any:
+    """The client's sampling parameters for what follows the first tokens already sampled,
+    loading the KV through `handle`."""
     rest = params.clone()
-    rest.max_tokens = params.max_tokens - 1
-    rest.min_tokens = max(0, params.min_tokens - 1)
+    rest.max_tokens = params.max_tokens - first_tokens
+    rest.min_tokens = max(0, params.min_tokens - first_tokens)
     rest.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handle}
     return rest
 
@@ -50,8 +53,9 @@ class DecodeNode(EngineActor):
         first_token_ids: list[int],
         handle: dict[str, Any],
     ) -> AsyncIterator[TokenDelta]:
-        """The tokens after the first, decoded from the prefill node's KV."""
-        params = decode_params(sampling_params, handle)
+        """The request's tokens after `first_token_ids` (all of them when that is empty), decoded
+        from the prefill node's KV."""
+        params = decode_params(sampling_params, handle, len(first_token_ids))
         tokens = prompt_token_ids + first_token_ids
         async for delta in self._run(request_id, tokens, params):
             if delta.finish_reason == "error":

@@ -111,6 +111,9 @@ class RouterConfig(_Strict):
     """Times a request may run when nodes fail under it (router/retry.py says when)."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
+    enable_prompt_tokens_details: bool = False
+    """Report the prompt tokens found in the prefix cache in `usage.prompt_tokens_details`, as
+    vLLM's server does with `--enable-prompt-tokens-details`."""
 
 
 class KVTransferConfig(_Strict):

@@ -215,7 +215,12 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 "%s engine %s up in %.1f s (pid %s)", name, info.name, info.start_s, info.pid
             )
         dispatcher = _build_dispatcher(config, pools, infos)
-        frontend = Frontend(str(model_dir), served, started_infos[0].max_model_len)
+        frontend = Frontend(
+            str(model_dir),
+            served,
+            started_infos[0].max_model_len,
+            config.router.enable_prompt_tokens_details,
+        )
         metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
         metrics.watch(dispatcher)
         admission = Admission(config.router.max_outstanding_requests)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv.handle import KVHandle, wants_remote_decode
+from pdserve.kv.handle import KVHandle, readers_of, wants_remote_decode
 from pdserve.kv.settings import ConnectorSettings
 from pdserve.kv.stats import KVGauges, TransferStats
 from pdserve.kv.transport.plane import DataPlane
@@ -36,6 +36,7 @@ class SendSpec:
 
     block_ids: list[int]
     lease_deadline: float
+    readers: int = 1
 
 
 class ProducerScheduler:
@@ -58,7 +59,8 @@ class ProducerScheduler:
         if not wants_remote_decode(params) or not finished_normally or not block_ids:
             return False, None
         deadline = time.time() + self.settings.lease_s
-        self._send[request.request_id] = SendSpec(list(block_ids), deadline)
+        readers = readers_of(params)
+        self._send[request.request_id] = SendSpec(list(block_ids), deadline, readers)
         handle = KVHandle(
             host=self.settings.public_host,
             ports=self.ports,
@@ -69,8 +71,9 @@ class ProducerScheduler:
             engine_id=self.engine_id,
             transport=self.settings.transport,
             lease_token=lease_token(
-                self.settings.read_secret(), request.request_id, list(block_ids), deadline
+                self.settings.read_secret(), request.request_id, list(block_ids), deadline, readers
             ),
+            readers=readers,
         )
         return True, handle.to_params()
 
@@ -97,7 +100,7 @@ class ProducerWorker:
 
     def offer(self, offers: dict[str, SendSpec]) -> None:
         for request_id, spec in offers.items():
-            self.table.offer(request_id, spec.block_ids, spec.lease_deadline)
+            self.table.offer(request_id, spec.block_ids, spec.lease_deadline, spec.readers)
 
     def finished_sending(self) -> set[str]:
         """Offers read to the end or expired: vLLM may free their blocks now."""

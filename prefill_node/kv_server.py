@@ -148,8 +148,12 @@ class KVServer:
     def _serve_pull(self, conn: socket.socket, request: pb.PullRequest, link: Any) -> None:
         blocks = list(request.block_ids)
         held = list(request.held_block_ids)
-        token = lease_token(self._secret(), request.request_id, held, request.lease_deadline)
-        grant = (held, request.lease_deadline) if verify(token, request.lease_token) else None
+        readers = max(1, request.lease_readers)
+        token = lease_token(
+            self._secret(), request.request_id, held, request.lease_deadline, readers
+        )
+        signed = verify(token, request.lease_token)
+        grant = (held, request.lease_deadline, readers) if signed else None
         try:
             self.table.claim(request.request_id, blocks, CLAIM_WAIT_S, grant)
         except ClaimError as refused:

@@ -4,7 +4,8 @@ Life of an offer (producer worker process):
 1. The scheduler side finishes a prefill and keeps its blocks; the next step's metadata tells the
    worker, which calls `offer(request_id, block_ids, deadline)`.
 2. A consumer's pull `claim`s the offer (waiting briefly if the pull outran the metadata), reads
-   the blocks, and `release`s it: on success the offer is done and its blocks may be freed.
+   the blocks, and `release`s it. An offer allows `readers` completed pulls (1 usually; n when a
+   request's n sequences decode from one prefill): after the last, its blocks may be freed.
 3. An offer nobody completes before its deadline expires in `collect_done`; an offer that is
    being read never expires under the reader (no block is freed while it is read).
 A pull may outrun step 1 (the worker hears of an offer one engine step after the handle left):
@@ -32,8 +33,14 @@ class ClaimError(Exception):
 class _Offer:
     block_ids: tuple[int, ...]
     deadline: float
-    readers: int = 0
-    done: bool = False
+    reads_left: int = 1
+    """Completed pulls still allowed."""
+    reading: int = 0
+    """Pulls in progress."""
+
+    @property
+    def done(self) -> bool:
+        return self.reads_left <= 0
 
 
 class ProducerTable:
@@ -44,10 +51,12 @@ class ProducerTable:
         self._cond = threading.Condition()
         self.leases_expired = 0
 
-    def offer(self, request_id: str, block_ids: list[int], deadline: float) -> None:
+    def offer(
+        self, request_id: str, block_ids: list[int], deadline: float, readers: int = 1
+    ) -> None:
         with self._cond:
             if request_id not in self._offers and request_id not in self._settled:
-                self._offers[request_id] = _Offer(tuple(block_ids), deadline)
+                self._offers[request_id] = _Offer(tuple(block_ids), deadline, readers)
             self._cond.notify_all()
 
     def claim(
@@ -55,14 +64,16 @@ class ProducerTable:
         request_id: str,
         block_ids: list[int],
         wait_s: float,
-        grant: tuple[list[int], float] | None = None,
+        grant: tuple[list[int], float, int] | None = None,
     ) -> None:
         """Mark the offer as being read, after checking it holds `block_ids`. `grant` (blocks
-        held, deadline) is a verified lease from the scheduler, used if no offer is known yet."""
+        held, deadline, readers) is a verified lease from the scheduler, used if no offer is known
+        yet."""
         give_up = time.monotonic() + wait_s
         with self._cond:
             if grant is not None and request_id not in self._settled:
-                self._offers.setdefault(request_id, _Offer(tuple(grant[0]), grant[1]))
+                blocks, deadline, readers = grant
+                self._offers.setdefault(request_id, _Offer(tuple(blocks), deadline, readers))
             while request_id not in self._offers:
                 if self._settled.get(request_id):
                     raise ClaimError("lease_expired", f"lease of {request_id} expired")
@@ -76,17 +87,17 @@ class ProducerTable:
             missing = set(block_ids) - set(offer.block_ids)
             if missing:
                 raise ClaimError("bad_blocks", f"{request_id} holds no blocks {sorted(missing)}")
-            offer.readers += 1
+            offer.reading += 1
 
     def release(self, request_id: str, completed: bool) -> None:
-        """A read ended; a completed read lets the blocks go."""
+        """A read ended; the last completed read the lease allows lets the blocks go."""
         with self._cond:
             offer = self._offers.get(request_id)
             if offer is None:
                 return
-            offer.readers -= 1
+            offer.reading -= 1
             if completed:
-                offer.done = True
+                offer.reads_left -= 1
 
     def collect_done(self) -> set[str]:
         """Request ids whose blocks may be freed now: completed, or expired with no reader."""
@@ -95,7 +106,7 @@ class ProducerTable:
             done = {
                 rid
                 for rid, offer in self._offers.items()
-                if offer.readers == 0 and (offer.done or now > offer.deadline)
+                if offer.reading == 0 and (offer.done or now > offer.deadline)
             }
             for rid in done:
                 expired = not self._offers.pop(rid).done

@@ -1,11 +1,14 @@
 """A prefill node: a Ray actor hosting vLLM whose KV connector plays the producer.
 
 Life of a request here:
-1. The router calls `prefill(request_id, prompt_token_ids, params)` with the client's sampling
-   parameters. The node runs the prompt with `max_tokens=1` and asks its connector to keep the KV
-   for a remote decode (`do_remote_decode`).
-2. The engine computes the prompt's KV cache and samples the first token, which streams back at
-   once (the client's time to first token is this node's).
+1. The router calls `prefill(request_id, prompt_token_ids, params, sample_first, readers)`. The
+   node runs the prompt with `max_tokens=1` and asks its connector to keep the KV for `readers`
+   remote decodes (`do_remote_decode`).
+2. The engine computes the prompt's KV cache and samples one token. With `sample_first` (the
+   router's seam policy, router/seam.py) it samples with the client's parameters and the token
+   streams back at once as the request's first (the client's time to first token is this
+   node's); without, the parameters are the plainest that compute the KV, and the token is not
+   the client's (the decode node samples the first token itself).
 3. When the request finishes, the producer half of the connector (`kv_producer.py`) keeps its
    blocks under a lease and returns the handle (address, ports, request id, block ids, signed
    lease) with the last delta; the router hands it to a decode node.
@@ -25,21 +28,33 @@ from pdserve.kv import vllm_kv_transfer_config
 from pdserve.kv.handle import producer_params
 
 
-def prefill_params(params: Any) -> Any:
-    """The client's sampling parameters, cut to the first token, keeping the KV for a decode."""
+def prefill_params(params: Any, sample_first: bool, readers: int) -> Any:
+    """Parameters for the prefill leg, keeping the KV for `readers` decodes: the client's cut to
+    the first token, or (not sampling for the client) the plainest that compute the KV."""
+    kv = {"kv_transfer_params": producer_params(readers)}
+    if not sample_first:
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=kv)
     first = params.clone()
     first.max_tokens = 1
     first.min_tokens = min(params.min_tokens, 1)
-    first.extra_args = {**(params.extra_args or {}), "kv_transfer_params": producer_params()}
+    first.extra_args = {**(params.extra_args or {}), **kv}
     return first
 
 
 class PrefillNode(EngineActor):
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        sample_first: bool = True,
+        readers: int = 1,
     ) -> AsyncIterator[TokenDelta]:
-        """The first token of a request; the last delta carries the KV handle."""
-        params = prefill_params(sampling_params)
+        """The prompt's KV, kept for `readers` decode legs, and one token (the request's first
+        when `sample_first`); the last delta carries the KV handle."""
+        params = prefill_params(sampling_params, sample_first, readers)
         async for delta in self._run(request_id, prompt_token_ids, params):
             yield delta
 

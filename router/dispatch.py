@@ -6,13 +6,17 @@ retries (router/retry.py decides whether a failed run runs again).
 Disaggregated, the life of one request (admission already refused it with 503 if no decode
 node was healthy):
 1. A decode node is chosen first, before the prefill runs.
-2. A prefill node runs the prompt for its first token (`PrefillNode.prefill`); that token goes to
-   the client at once (the time to first token is the prefill's), the KV handle is kept. If the
-   request already finished there (EOS or a stop string at the first token), that is all.
-3. The decode node gets the prompt, that token and the handle (`DecodeNode.decode`); it pulls the
-   KV and streams the rest.
-`max_tokens: 1` is served by a prefill node alone. With no healthy prefill node, the decode node
-serves the whole request itself (`prefill_fallback`), or the request gets 503.
+2. A prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg
+   (for `n` legs when the request asks for n sequences). Where the seam policy (router/seam.py)
+   says the prefill samples the first token, that token goes to the client at once (the time to
+   first token is the prefill's); if the request finished there (EOS or a stop token), that is
+   all.
+3. The decode node gets the prompt, the first token when there is one, and the handle
+   (`DecodeNode.decode`); it pulls the KV and streams the rest — or, without a first token,
+   every token.
+`max_tokens: 1` is served by a prefill node alone, and a request that needs prompt logprobs by
+the decode node alone. With no healthy prefill node, the decode node serves the whole request
+itself (`prefill_fallback`), or the request gets 503.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.engine.types import KVLoadFailed, TokenDelta
+from router import seam
 from router.errors import EngineFailed, KVTransferFailed, PoolUnavailable
+from router.nodes import Node
 from router.pools import Pool
 from router.request import PreparedRequest
 
@@ -43,15 +49,7 @@ class Colocated:
             raise PoolUnavailable(f"no healthy node in the {self.pool.name} pool")
 
     def deltas(self, prepared: PreparedRequest, deadline: float) -> AsyncIterator[TokenDelta]:
-        """The pool's stream itself (closing it closes the node's call)."""
-        return self.pool.stream(
-            self.pool.pick(),
-            "generate",
-            prepared.request_id,
-            prepared.prompt_token_ids,
-            prepared.sampling_params,
-            deadline=deadline,
-        )
+        return _relay(self.pool, self.pool.pick(), "generate", prepared, deadline)
 
 
 class Disaggregated:
@@ -76,65 +74,76 @@ class Disaggregated:
         rid, prompt = prepared.request_id, prepared.prompt_token_ids
         params = prepared.sampling_params
         if params.max_tokens == 1 and self.prefill.healthy_nodes():
-            # nothing to hand over: a prefill node does it all
-            leg = self.prefill.stream(
-                self.prefill.pick(), "generate", rid, prompt, params, deadline=deadline
-            )
-            async with aclosing(leg):
-                async for delta in leg:
-                    yield delta
+            # nothing to hand over: a prefill node does it all, as one engine
+            async for delta in _relay(
+                self.prefill, self.prefill.pick(), "generate", prepared, deadline
+            ):
+                yield delta
             return
         decode_node = self.decode.pick()
-        if not self.prefill.healthy_nodes():
-            if not self.prefill_fallback:
-                raise PoolUnavailable("no healthy node in the prefill pool")
-            logger.warning("%s: no healthy prefill node; the decode node prefills", rid)
-            if self.on_fallback is not None:
-                self.on_fallback()
-            leg = self.decode.stream(
-                decode_node, "generate", rid, prompt, params, deadline=deadline
-            )
-            async with aclosing(leg):
-                async for delta in leg:
-                    yield delta
+        placement = seam.placement(params)
+        if placement == seam.ONE_ENGINE or not self.prefill.healthy_nodes():
+            if placement != seam.ONE_ENGINE:
+                if not self.prefill_fallback:
+                    raise PoolUnavailable("no healthy node in the prefill pool")
+                logger.warning("%s: no healthy prefill node; the decode node prefills", rid)
+                if self.on_fallback is not None:
+                    self.on_fallback()
+            async for delta in _relay(self.decode, decode_node, "generate", prepared, deadline):
+                yield delta
             return
-        first = await self._prefill(prepared, deadline)
-        yield replace(first, handle=None)
-        if first.finish_reason == "stop":
-            return  # EOS or a stop string at the first token (the producer's lease frees its KV)
+        sample_first = placement == seam.FIRST_ON_PREFILL
+        first = await self._prefill(prepared, deadline, sample_first)
+        first_tokens: list[int] = []
+        if sample_first:
+            yield replace(first, handle=None)
+            if first.finish_reason == "stop":
+                return  # EOS or a stop token at the first token (the lease frees the KV)
+            first_tokens = first.token_ids
         leg = self.decode.stream(
             decode_node,
             "decode",
             f"{rid}-d",
             prompt,
             params,
-            first.token_ids,
+            first_tokens,
             first.handle,
             deadline=deadline,
         )
         try:
             async with aclosing(leg):
                 async for delta in leg:
+                    if delta.num_cached_tokens is not None:
+                        # the prompt was computed on the prefill node: its cache hits count
+                        cached = None if sample_first else first.num_cached_tokens
+                        delta = replace(delta, num_cached_tokens=cached)
                     yield delta
         except KVLoadFailed as error:
             raise KVTransferFailed(str(error)) from None
 
-    async def _prefill(self, prepared: PreparedRequest, deadline: float) -> TokenDelta:
-        """Run the prefill leg to its end and fold its deltas into one (the first token)."""
-        tokens, text, last = [], [], None
+    async def _prefill(
+        self, prepared: PreparedRequest, deadline: float, sample_first: bool
+    ) -> TokenDelta:
+        """Run the prefill leg to its end and fold its deltas into one: the first token (when
+        `sample_first`) and the handle for the decode leg(s)."""
+        tokens, text, logprobs, first, last = [], [], [], None, None
+        params = prepared.sampling_params
         leg = self.prefill.stream(
             self.prefill.pick(),
             "prefill",
             f"{prepared.request_id}-p",
             prepared.prompt_token_ids,
-            prepared.sampling_params,
+            params,
+            sample_first,
+            params.n,
             deadline=deadline,
         )
         async with aclosing(leg):
             async for delta in leg:
                 tokens += delta.token_ids
                 text.append(delta.text)
-                last = delta
+                logprobs += delta.logprobs or []
+                first, last = first or delta, delta
         if last is None:
             raise EngineFailed("the prefill node returned no output")
         finish = last.finish_reason if last.finish_reason == "stop" else None
@@ -145,4 +154,23 @@ class Disaggregated:
             stop_reason=last.stop_reason if finish else None,
             num_prompt_tokens=len(prepared.prompt_token_ids),
             handle=last.handle,
+            logprobs=logprobs if params.logprobs is not None else None,
+            num_cached_tokens=first.num_cached_tokens,
         )
+
+
+async def _relay(
+    pool: Pool, node: Node, method: str, prepared: PreparedRequest, deadline: float
+) -> AsyncIterator[TokenDelta]:
+    """A whole request on one node (`method` "generate")."""
+    leg = pool.stream(
+        node,
+        method,
+        prepared.request_id,
+        prepared.prompt_token_ids,
+        prepared.sampling_params,
+        deadline=deadline,
+    )
+    async with aclosing(leg):
+        async for delta in leg:
+            yield delta

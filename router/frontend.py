@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.errors import InvalidRequest, ModelNotFound
-from router.request import PreparedRequest
+from router.fields import refused_field
+from router.request import PreparedRequest, ResponseShape
 
 
 def _validation_message(error: ValidationError) -> tuple[str, str | None]:
@@ -50,11 +51,18 @@ def _message_text(content: Any) -> str:
 class Frontend:
     """Validation and tokenization for one served model."""
 
-    def __init__(self, model_path: str, served_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        served_name: str,
+        max_model_len: int,
+        prompt_tokens_details: bool = False,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.served_name = served_name
         self.max_model_len = max_model_len
+        self.prompt_tokens_details = prompt_tokens_details
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def parse(self, kind: str, body: Any) -> Any:
@@ -81,31 +89,70 @@ class Frontend:
     def prepare(self, kind: str, body: Any) -> PreparedRequest:
         request = self.parse(kind, body)
         self.check_model(request.model)
-        if getattr(request, "n", 1) not in (None, 1):
-            raise InvalidRequest("only n=1 is supported", "n")
-        if getattr(request, "use_beam_search", False):
-            raise InvalidRequest("beam search is not supported", "use_beam_search")
+        refused = refused_field(kind, request)
+        if refused:
+            name, why = refused
+            raise InvalidRequest(f"{name} {why}", name)
         if kind == "completion":
             token_ids = self._completion_tokens(request)
             max_tokens = request.max_tokens
         else:
             token_ids = self._chat_tokens(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
-        max_tokens = self._check_lengths(len(token_ids), max_tokens)
+        token_ids = self._truncated(request, token_ids)
+        echo_only = kind == "completion" and bool(request.echo) and max_tokens == 0
+        max_tokens = self._check_lengths(len(token_ids), None if echo_only else max_tokens)
         try:
             params = request.to_sampling_params(max_tokens, {})
         except _client_errors() as error:  # SamplingParams' own checks (temperature < 0, ...)
             raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
+        if echo_only:
+            params.max_tokens = 1  # vLLM's "echo without generation" runs one step
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        options = request.stream_options
+        suffix = request.request_id if "request_id" in request.model_fields_set else None
         return PreparedRequest(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            request_id=f"{prefix}-{suffix or uuid.uuid4().hex}",
             kind=kind,
             prompt_token_ids=token_ids,
             sampling_params=params,
             stream=bool(request.stream),
-            include_usage=bool(options and options.include_usage),
+            shape=self._shape(kind, request, token_ids, echo_only),
         )
+
+    def _shape(
+        self, kind: str, request: Any, token_ids: list[int], echo_only: bool
+    ) -> ResponseShape:
+        options = request.stream_options
+        stream = bool(request.stream)
+        if kind == "completion":
+            logprobs = request.logprobs
+        else:
+            logprobs = request.top_logprobs if request.logprobs else None
+        echo = kind == "completion" and bool(request.echo)
+        return ResponseShape(
+            n=request.n or 1,
+            echo=echo,
+            echo_only=echo_only,
+            prompt_text=self.tokenizer.decode(token_ids) if echo else "",
+            logprobs=logprobs,
+            all_logprobs=bool(request.logprob_token_ids),
+            return_token_ids=bool(request.return_token_ids),
+            tokens_as_ids=bool(request.return_tokens_as_token_ids),
+            include_usage=stream and bool(options and options.include_usage),
+            continuous_usage=stream and bool(options and options.continuous_usage_stats),
+            cached_tokens_detail=self.prompt_tokens_details,
+        )
+
+    def _truncated(self, request: Any, token_ids: list[int]) -> list[int]:
+        """`truncate_prompt_tokens`: keep k tokens (-1: max_model_len), from the end unless
+        `truncation_side` is "right"."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        if len(token_ids) <= keep:
+            return token_ids
+        return token_ids[:keep] if request.truncation_side == "right" else token_ids[-keep:]
 
     def _completion_tokens(self, request: Any) -> list[int]:
         prompt = request.prompt
@@ -133,8 +180,17 @@ class Frontend:
             messages.append(
                 {"role": message["role"], "content": _message_text(message.get("content"))}
             )
+        if request.add_generation_prompt and request.continue_final_message:
+            raise InvalidRequest(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                "continue_final_message",
+            )
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            **(request.chat_template_kwargs or {}),
         )
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -142,7 +198,9 @@ class Frontend:
         if prompt_len == 0:
             raise InvalidRequest("prompt is empty", "prompt")
         if max_tokens is not None and max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+            raise InvalidRequest(
+                f"max_tokens must be at least 1 (or 0 with echo), got {max_tokens}", "max_tokens"
+            )
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise InvalidRequest(

@@ -9,6 +9,7 @@ engine request.
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import aclosing
 from typing import Any
@@ -17,9 +18,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.engine.types import TokenDelta
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
-from router.errors import RequestError, Unauthorized
+from router.errors import InvalidRequest, RequestError, Unauthorized
 from router.service import RouterService
 
 logger = logging.getLogger(__name__)
@@ -31,28 +33,70 @@ def _status(error: RequestError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.grpc_status)
 
 
+_OPTIONAL = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "n",
+)  # fmt: skip
+_REPEATED = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
+
+
+def _structured(output: pb.StructuredOutput) -> dict[str, Any] | None:
+    kind = output.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        try:
+            return {"json": json.loads(output.json_schema)}
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"structured_output.json_schema is not JSON: {error}") from None
+    if kind == "json_object":
+        return {"json_object": True} if output.json_object else None
+    if kind == "choice":
+        return {"choice": list(output.choice.choices)}
+    return {kind: getattr(output, kind)}
+
+
 def _body(request: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
-    """The OpenAI-shaped body (and endpoint kind) equivalent to a GenerateRequest."""
+    """The OpenAI-shaped body (and endpoint kind) equivalent to a GenerateRequest: the same
+    validation and the same behaviour as the HTTP API's completions."""
     options = request.sampling
     body: dict[str, Any] = {"stream": True}
     if request.model:
         body["model"] = request.model
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in _OPTIONAL:
         if options.HasField(name):
             body[name] = getattr(options, name)
-    if options.stop:
-        body["stop"] = list(options.stop)
+    for name in _REPEATED:
+        if getattr(options, name):
+            body[name] = list(getattr(options, name))
     if options.ignore_eos:
         body["ignore_eos"] = True
+    if options.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
+    if options.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in options.logit_bias.items()}
+    if options.HasField("structured_output"):
+        body["structured_outputs"] = _structured(options.structured_output)
     which = request.WhichOneof("input")
     if which == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if "logprobs" in body:  # the chat API spells it logprobs: true + top_logprobs: k
+            body["top_logprobs"], body["logprobs"] = body["logprobs"], True
         return "chat", body
     if which == "token_ids":
         body["prompt"] = list(request.token_ids.ids)
     elif which == "text":
         body["prompt"] = request.text
     return "completion", body
+
+
+def _logprobs(delta: TokenDelta) -> list[pb.TokenLogprobs]:
+    out = []
+    for token_id, position in zip(delta.token_ids, delta.logprobs or (), strict=False):
+        top = [pb.Candidate(token_id=t, token=d or "", logprob=lp) for t, lp, _, d in position]
+        chosen = next((c for c in top if c.token_id == token_id), pb.Candidate(token_id=token_id))
+        out.append(pb.TokenLogprobs(chosen=chosen, top=top))
+    return out
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -71,16 +115,23 @@ class GenerationService(pb_grpc.GenerationServicer):
             admitted = self.service.open(kind, body, "grpc")
         except RequestError as error:
             await context.abort(_status(error), error.message)
-        completion, prompt_tokens = 0, len(admitted.prepared.prompt_token_ids)
+        completion: dict[int, int] = {}
+        prompt_tokens = len(admitted.prepared.prompt_token_ids)
         try:
             async with aclosing(self.service.stream(admitted)) as deltas:
                 async for delta in deltas:
-                    completion += len(delta.token_ids)
-                    reply = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+                    count = completion.get(delta.index, 0) + len(delta.token_ids)
+                    completion[delta.index] = count
+                    reply = pb.GenerateResponse(
+                        token_ids=delta.token_ids,
+                        text=delta.text,
+                        index=delta.index,
+                        logprobs=_logprobs(delta),
+                    )
                     if delta.finish_reason:
                         reply.finish_reason = delta.finish_reason
                         reply.usage.prompt_tokens = prompt_tokens
-                        reply.usage.completion_tokens = completion
+                        reply.usage.completion_tokens = count
                     yield reply
         except RequestError as error:
             await context.abort(_status(error), error.message)

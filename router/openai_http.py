@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.types import TokenDelta
 from router.errors import (
     InvalidRequest,
     Overloaded,
@@ -29,8 +28,8 @@ from router.errors import (
     Unauthorized,
     error_body,
 )
-from router.request import PreparedRequest
-from router.service import Admitted, Collected, RouterService
+from router.responses import StreamShaper, full_response
+from router.service import Admitted, RouterService
 
 logger = logging.getLogger(__name__)
 
@@ -53,86 +52,17 @@ def _check_auth(api_key: str | None, request: Request) -> None:
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
 
 
-def _usage(got: Collected) -> Any:
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
-
-    completion = len(got.token_ids)
-    return UsageInfo(
-        prompt_tokens=got.prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=got.prompt_tokens + completion,
-    )
-
-
-def _full_response(served: str, prepared: PreparedRequest, got: Collected) -> dict:
-    from vllm.entrypoints.openai.chat_completion.protocol import (
-        ChatCompletionResponse,
-        ChatCompletionResponseChoice,
-        ChatMessage,
-    )
-    from vllm.entrypoints.openai.completion.protocol import (
-        CompletionResponse,
-        CompletionResponseChoice,
-    )
-
-    common = dict(id=prepared.request_id, model=served, usage=_usage(got))
-    text = "".join(got.text)
-    if prepared.kind == "completion":
-        choice = CompletionResponseChoice(
-            index=0, text=text, finish_reason=got.finish_reason, stop_reason=got.stop_reason
-        )
-        return CompletionResponse(choices=[choice], **common).model_dump(exclude_none=True)
-    choice = ChatCompletionResponseChoice(
-        index=0,
-        message=ChatMessage(role="assistant", content=text),
-        finish_reason=got.finish_reason,
-        stop_reason=got.stop_reason,
-    )
-    return ChatCompletionResponse(choices=[choice], **common).model_dump(exclude_none=True)
-
-
-def _chunk(served: str, prepared: PreparedRequest, delta: TokenDelta | None, first: bool):
-    from vllm.entrypoints.generate.base.protocol import DeltaMessage
-    from vllm.entrypoints.openai.chat_completion.protocol import (
-        ChatCompletionResponseStreamChoice,
-        ChatCompletionStreamResponse,
-    )
-    from vllm.entrypoints.openai.completion.protocol import (
-        CompletionResponseStreamChoice,
-        CompletionStreamResponse,
-    )
-
-    text = delta.text if delta else ""
-    finish = delta.finish_reason if delta else None
-    common = dict(id=prepared.request_id, model=served)
-    if prepared.kind == "completion":
-        choice = CompletionResponseStreamChoice(index=0, text=text, finish_reason=finish)
-        return CompletionStreamResponse(choices=[choice], **common)
-    message = DeltaMessage(role="assistant", content=text) if first else DeltaMessage(content=text)
-    choice = ChatCompletionResponseStreamChoice(index=0, delta=message, finish_reason=finish)
-    return ChatCompletionStreamResponse(choices=[choice], **common)
-
-
-def _usage_chunk(served: str, prepared: PreparedRequest, got: Collected):
-    chunk = _chunk(served, prepared, None, False)
-    chunk.choices = []
-    chunk.usage = _usage(got)
-    return chunk
-
-
 async def _sse(service: RouterService, request: Admitted) -> AsyncIterator[str]:
-    served, prepared = service.frontend.served_name, request.prepared
-    got, first = Collected(), True
+    prepared = request.prepared
+    shaper = StreamShaper(service.frontend.served_name, prepared, service.frontend.tokenizer)
     try:
+        for chunk in shaper.opening():
+            yield chunk
         async with aclosing(service.stream(request)) as deltas:
             async for delta in deltas:
-                got.add(delta)
-                chunk = _chunk(served, prepared, delta, first)
-                first = False
-                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-        if prepared.include_usage:
-            chunk = _usage_chunk(served, prepared, got)
-            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+                yield shaper.chunk(delta)
+        for chunk in shaper.closing(len(prepared.prompt_token_ids)):
+            yield chunk
     except RequestError as error:
         logger.warning("stream %s ended with %s: %s", prepared.request_id, error.kind, error)
         yield f"data: {json.dumps(error_body(error))}\n\n"
@@ -227,7 +157,8 @@ def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
         if prepared.stream:
             return StreamingResponse(_sse(service, admitted), media_type="text/event-stream")
         got = await service.collect(admitted)
-        return JSONResponse(_full_response(service.frontend.served_name, prepared, got))
+        frontend = service.frontend
+        return JSONResponse(full_response(frontend.served_name, prepared, got, frontend.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

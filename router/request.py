@@ -7,6 +7,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class ResponseShape:
+    """What the client asked its response to look like (read only by the edges)."""
+
+    n: int = 1
+    echo: bool = False
+    """Completions: the prompt text (and with logprobs, its logprobs) comes first."""
+    echo_only: bool = False
+    """Completions with echo and max_tokens 0: the response is the prompt alone."""
+    prompt_text: str = ""
+    logprobs: int | None = None
+    """Completions: top logprobs per token; chat: `top_logprobs` when `logprobs` is true."""
+    all_logprobs: bool = False
+    """`logprob_token_ids` was given: every returned candidate is shown."""
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    """`return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"."""
+    include_usage: bool = False
+    continuous_usage: bool = False
+    cached_tokens_detail: bool = False
+    """Report `usage.prompt_tokens_details.cached_tokens` (router.enable_prompt_tokens_details)."""
+
+
 @dataclass
 class PreparedRequest:
     request_id: str
@@ -14,7 +37,7 @@ class PreparedRequest:
     """"completion" or "chat": which response shape the edge builds."""
     prompt_token_ids: list[int]
     sampling_params: Any
-    """vLLM `SamplingParams` (opaque here: only the nodes read them, but `max_tokens`)."""
+    """vLLM `SamplingParams` (opaque here: only the nodes read them, and the seam policy)."""
     stream: bool
-    include_usage: bool
+    shape: ResponseShape = field(default_factory=ResponseShape)
     arrival: float = field(default_factory=time.monotonic)

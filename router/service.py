@@ -25,21 +25,38 @@ from router.retry import RESTART, RetryPolicy, runs
 
 
 @dataclass
-class Collected:
-    """A whole response, gathered from its deltas."""
+class Output:
+    """One sequence of a response (a request asks for `n`)."""
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+
+@dataclass
+class Collected:
+    """A whole response, gathered from its deltas."""
+
+    sequences: dict[int, Output] = field(default_factory=dict)
     prompt_tokens: int = 0
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int | None = None
 
     def add(self, delta: TokenDelta) -> None:
-        self.text.append(delta.text)
-        self.token_ids.extend(delta.token_ids)
-        self.finish_reason = delta.finish_reason or self.finish_reason
-        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+        seq = self.sequences.setdefault(delta.index, Output())
+        seq.text.append(delta.text)
+        seq.token_ids.extend(delta.token_ids)
+        seq.logprobs.extend(delta.logprobs or [])
+        seq.finish_reason = delta.finish_reason or seq.finish_reason
+        if delta.stop_reason is not None:
+            seq.stop_reason = delta.stop_reason
         self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None and self.num_cached_tokens is None:
+            self.num_cached_tokens = delta.num_cached_tokens
 
 
 @dataclass

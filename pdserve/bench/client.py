@@ -53,7 +53,12 @@ def apply_event(record: RequestRecord, event: dict, now_s: float) -> None:
 
 
 async def send(
-    http: httpx.AsyncClient, spec: RequestSpec, model: str, start: float, timeout_s: float
+    http: httpx.AsyncClient,
+    spec: RequestSpec,
+    model: str,
+    start: float,
+    timeout_s: float,
+    extra_body: dict | None = None,
 ) -> RequestRecord:
     sent = time.monotonic() - start
     record = RequestRecord(spec.index, spec.kind, len(spec.prompt_token_ids), sent)
@@ -65,6 +70,7 @@ async def send(
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra_body or {}),
     }
     try:
         async with asyncio.timeout(timeout_s):
@@ -96,9 +102,11 @@ async def run_load(
     duration_s: float | None = None,
     api_key: str | None = None,
     timeout_s: float = 600.0,
+    extra_body: dict | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send `requests` (timed ones at their `at_s`; untimed ones `concurrency` at a time) until
-    they are all sent or `duration_s` passed; returns the records and the run's length."""
+    they are all sent or `duration_s` passed; returns the records and the run's length.
+    `extra_body`: more fields for every request."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(
@@ -118,7 +126,8 @@ async def run_load(
 
             async def worker() -> None:
                 while open_for_sending() and not queue.empty():
-                    records.append(await send(http, queue.get_nowait(), model, start, timeout_s))
+                    spec = queue.get_nowait()
+                    records.append(await send(http, spec, model, start, timeout_s, extra_body))
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
@@ -127,7 +136,7 @@ async def run_load(
                 await asyncio.sleep(max(0.0, start + (spec.at_s or 0.0) - time.monotonic()))
                 if not open_for_sending():
                     return None
-                return await send(http, spec, model, start, timeout_s)
+                return await send(http, spec, model, start, timeout_s, extra_body)
 
             results = await asyncio.gather(*(timed(spec) for spec in requests))
             records = [r for r in results if r is not None]

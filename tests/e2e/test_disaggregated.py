@@ -242,6 +242,25 @@ def test_grpc_generate_streams_health_and_reflection(server, client):
             list(stub.Generate(unknown, timeout=60, metadata=auth))
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
+        rich = pb.GenerateRequest(
+            text="Is Cairo in Egypt?",
+            sampling=pb.SamplingOptions(
+                max_tokens=8,
+                temperature=1.0,
+                seed=3,
+                n=2,
+                logprobs=2,
+                structured_output=pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"])),
+            ),
+        )
+        texts: dict[int, str] = {}
+        for chunk in stub.Generate(rich, timeout=120, metadata=auth):
+            texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+            assert len(chunk.logprobs) == len(chunk.token_ids)
+            for position in chunk.logprobs:
+                assert position.chosen.logprob <= 0 and len(position.top) >= 1
+        assert set(texts) == {0, 1} and set(texts.values()) <= {"yes", "no"}
+
         status = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=10
         )

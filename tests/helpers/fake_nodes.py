@@ -1,10 +1,11 @@
 """Fake engine nodes for the router's tests: scripted `NodeClient`s with no Ray and no vLLM.
 
 A fake node "generates" deterministic tokens (100, 101, ...; text " t0", " t1", ...) and
-records every call and whether the router cancelled it. Faults are scripted per node:
-`die_after` (the node dies after that many deltas of its next call), `kv_failure` (its decode
-reports a failed KV pull), `delay_s` (between deltas), `first_finishes` (its prefill's token
-ends the request).
+records every call and whether the router cancelled it. A KV-only prefill (the seam policy's
+first token on the decode node) returns token 999, which must never reach a client. Faults are
+scripted per node: `die_after` (the node dies after that many deltas of its next call),
+`kv_failure` (its decode reports a failed KV pull), `delay_s` (between deltas),
+`first_finishes` (its prefill's token ends the request).
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ class FakeNode(NodeClient):
         call = Call(method, request_id, list(prompt), tuple(rest))
         self.calls.append(call)
         if method == "prefill":
-            plan = [TokenDelta([100], " t0", num_prompt_tokens=len(prompt))]
+            sample_first = rest[0]
+            token = TokenDelta([100], " t0") if sample_first else TokenDelta([999], " kv-only")
+            plan = [token]
         elif method == "decode":
-            plan = [self.token(i) for i in range(1, params.max_tokens)]
+            first_tokens = rest[0]
+            plan = [self.token(i) for i in range(len(first_tokens), params.max_tokens)]
         else:
             plan = [self.token(i) for i in range(params.max_tokens)]
         if plan:
@@ -105,12 +109,32 @@ def colocated(*fakes: FakeNode) -> Colocated:
     return Colocated(pool("colocated", *fakes))
 
 
-def prepared(max_tokens: int = 5, stream: bool = True, prompt_len: int = 4) -> PreparedRequest:
+def sampling(**overrides: Any) -> SimpleNamespace:
+    """A stand-in for vLLM's SamplingParams with the fields the router reads."""
+    fields = dict(
+        n=1,
+        max_tokens=5,
+        min_tokens=0,
+        temperature=0.0,
+        seed=None,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        bad_words=None,
+        stop=None,
+        structured_outputs=None,
+        logprobs=None,
+        prompt_logprobs=None,
+    )
+    return SimpleNamespace(**{**fields, **overrides})
+
+
+def prepared(
+    max_tokens: int = 5, stream: bool = True, prompt_len: int = 4, **params: Any
+) -> PreparedRequest:
     return PreparedRequest(
         request_id="cmpl-test",
         kind="completion",
         prompt_token_ids=list(range(1, prompt_len + 1)),
-        sampling_params=SimpleNamespace(max_tokens=max_tokens),
+        sampling_params=sampling(max_tokens=max_tokens, **params),
         stream=stream,
-        include_usage=False,
     )

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from router import seam
 from router.admission import Admission
 from router.errors import (
     DeadlineExceeded,
@@ -20,7 +21,7 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.retry import RESTART, RetryPolicy, runs
 from router.service import RouterService
-from tests.helpers.fake_nodes import FakeNode, colocated, disaggregated, prepared
+from tests.helpers.fake_nodes import FakeNode, colocated, disaggregated, prepared, sampling
 
 DEADLINE_S = 30.0
 
@@ -208,7 +209,7 @@ async def test_admission_holds_a_slot_per_request_and_always_gives_it_back():
         svc.open("completion", {}, "http")
     assert outcome(svc, "rate_limit_exceeded") == 1
     got = await svc.collect(first)
-    assert got.token_ids == [100, 101, 102] and svc.admission.outstanding == 0
+    assert got.sequences[0].token_ids == [100, 101, 102] and svc.admission.outstanding == 0
     with pytest.raises(InvalidRequest):
         svc.open("completion", {"bad": True}, "http")
     assert outcome(svc, "invalid_request_error") == 1 and svc.admission.outstanding == 0
@@ -232,7 +233,7 @@ async def test_service_counts_retries_by_the_pool_whose_node_failed():
     dispatcher = disaggregated([FakeNode("p0", die_after=0), FakeNode("p1")], [FakeNode("d0")])
     svc = service(dispatcher, prepared(max_tokens=3, stream=False))
     got = await svc.collect(svc.open("completion", {}, "http"))
-    assert got.token_ids == [100, 101, 102]
+    assert got.sequences[0].token_ids == [100, 101, 102]
     retries = svc.metrics.registry.get_sample_value(
         "pdserve_request_retries_total", {"pool": "prefill"}
     )
@@ -253,3 +254,47 @@ async def test_no_request_waits_past_its_deadline_even_when_the_node_never_answe
 async def collect_until(dispatcher, deadline):
     async for _ in runs(dispatcher, prepared(), deadline, RetryPolicy(3), print):
         pass
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, seam.FIRST_ON_PREFILL),
+        ({"seed": 7}, seam.FIRST_ON_PREFILL),  # greedy: the generator is never drawn from
+        ({"logprobs": 2, "min_tokens": 3}, seam.FIRST_ON_PREFILL),  # assembled / counted
+        ({"seed": 7, "temperature": 1.0}, seam.FIRST_ON_DECODE),
+        ({"structured_outputs": object()}, seam.FIRST_ON_DECODE),
+        ({"frequency_penalty": 1.5}, seam.FIRST_ON_DECODE),
+        ({"presence_penalty": -0.5}, seam.FIRST_ON_DECODE),
+        ({"bad_words": ["no"]}, seam.FIRST_ON_DECODE),
+        ({"stop": [" Paris."]}, seam.FIRST_ON_DECODE),
+        ({"n": 2}, seam.FIRST_ON_DECODE),
+        ({"prompt_logprobs": 1}, seam.ONE_ENGINE),
+    ],
+)
+def test_the_seam_policy_places_stateful_sampling_on_the_decode_node(overrides, expected):
+    assert seam.placement(sampling(**overrides)) == expected
+
+
+async def test_first_token_on_decode_the_prefill_only_computes_kv():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    got = await collect(disaggregated([p], [d]), prepared(max_tokens=4, stop=["x"]))
+    assert tokens(got) == [100, 101, 102, 103]  # all from the decode node; never the 999
+    (prefill,), (decode,) = p.calls, d.calls
+    assert prefill.args == (False, 1)  # not the client's token; one reader
+    first_tokens, handle = decode.args
+    assert first_tokens == [] and handle["request"] == prefill.request_id
+
+
+async def test_n_sequences_share_one_prefill():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    await collect(disaggregated([p], [d]), prepared(max_tokens=3, n=3))
+    assert len(p.calls) == 1 and p.calls[0].args == (False, 3)  # a lease for three readers
+
+
+async def test_prompt_logprobs_and_one_token_requests_run_on_one_engine():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    await collect(disaggregated([p], [d]), prepared(max_tokens=3, prompt_logprobs=1))
+    assert not p.calls and [c.method for c in d.calls] == ["generate"]
+    await collect(disaggregated([p], [d]), prepared(max_tokens=1, stop=["x"]))
+    assert [c.method for c in p.calls] == ["generate"]

@@ -79,3 +79,19 @@ def test_a_claim_waits_for_an_offer_that_is_on_its_way():
     table.claim("r", [1], wait_s=5)
     assert time.monotonic() - started < 4
     timer.join()
+
+
+def test_an_offer_for_n_readers_frees_after_the_nth_completed_read():
+    """n sequences decoding from one prefill: each pulls the same blocks."""
+    table = ProducerTable(clock=Clock())
+    table.offer("r", [1, 2], deadline=1010, readers=3)
+    for _ in range(2):
+        table.claim("r", [1, 2], wait_s=0)
+        table.release("r", completed=True)
+        assert table.collect_done() == set()
+    table.claim("r", [1], wait_s=0)
+    table.release("r", completed=False)  # a failed read does not count
+    assert table.collect_done() == set()
+    table.claim("r", [2], wait_s=0)
+    table.release("r", completed=True)
+    assert table.collect_done() == {"r"} and table.leases_expired == 0

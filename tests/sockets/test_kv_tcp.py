@@ -251,7 +251,7 @@ def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatc
         deadline,
         "e",
         "tcp",
-        lease_token(b"secret", "early", [4, 5], deadline),
+        lease_token(b"secret", "early", [4, 5], deadline, 1),
     )
     client.pull(signed, [5], [1], 0, time.monotonic() + 10)  # no offer yet: the lease stands in
     for name in src:
@@ -268,7 +268,7 @@ def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatc
         deadline,
         "e",
         "tcp",
-        lease_token(b"guess", "forged", [4, 5], deadline),
+        lease_token(b"guess", "forged", [4, 5], deadline, 1),
     )
     with pytest.raises(TransferError) as failed:
         client.pull(forged, [5], [1], 0, time.monotonic() + 10)

@@ -1,6 +1,13 @@
-"""Metrics end to end: a real Prometheus (Debian's package, 1 s scrapes, the repo's rule files)
-scrapes a running 1P1D pdserve under load; every expression of the recording rules, the alert
-rules and the Grafana dashboard must return data, per pool with both pools present."""
+"""The default configuration (1P1D, bf16) end to end, on one running server:
+
+- metrics: a real Prometheus (Debian's package, 1 s scrapes, the repo's rule files) scrapes it
+  under load; every expression of the recording rules, the alert rules and the Grafana dashboard
+  must return data, per pool with both pools present;
+- the bench drives it;
+- the seam in bf16, where exact comparisons do not hold across CPUs: what must hold does
+  (structured output parses and obeys its schema, a choice is one of the choices, a stop string
+  spanning the first token stops the request and is absent, n sequences come back).
+"""
 
 from __future__ import annotations
 
@@ -37,6 +44,108 @@ def server(default_model_dir, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("serve-metrics"))
     yield server
     finish_server(server)
+
+
+# ---- the seam in bf16: validity (first, before the metrics tests load the server) --------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Name a city in Egypt."}]
+
+
+def _ask(server, path: str, body: dict, stream: bool) -> tuple[str, str | None, int]:
+    """(text, finish reason, sequences) of one request, streamed or not."""
+    body = {**body, "stream": stream}
+    if not stream:
+        answer = httpx.post(f"{server.url}{path}", json=body, timeout=300).json()
+        choice = answer["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        return text, choice["finish_reason"], len(answer["choices"])
+    text, finish, indexes = "", None, set()
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                indexes.add(choice["index"])
+                if choice["index"] == 0:
+                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    finish = choice.get("finish_reason") or finish
+    return text, finish, len(indexes)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_is_valid_in_bf16(server, stream):
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    text, finish, _ = _ask(
+        server,
+        "/v1/chat/completions",
+        {"messages": ASK, "max_tokens": 60, "response_format": schema},
+        stream,
+    )
+    value = json.loads(text)
+    assert finish == "stop" and set(value) == {"city"} and len(value["city"]) <= 24
+    choices = ["yes, it is", "no, it is not"]
+    text, _, _ = _ask(
+        server,
+        "/v1/completions",
+        {
+            "prompt": "Is Cairo in Egypt?",
+            "max_tokens": 10,
+            "structured_outputs": {"choice": choices},
+        },
+        stream,
+    )
+    assert text in choices
+    text, _, _ = _ask(
+        server,
+        "/v1/completions",
+        {
+            "prompt": "A word:",
+            "max_tokens": 12,
+            "structured_outputs": {"regex": r"[A-Z][a-z]{2,8}\."},
+        },
+        stream,
+    )
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}\.", text), text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_spanning_the_first_token_stops_in_bf16(server, stream):
+    prompt = "The capital of France is"
+    # a stop string that never matches places the free run as the stopped one will be placed
+    # (the decode node samples every token), so both compute the same tokens in bf16
+    free = httpx.post(
+        f"{server.url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": 0,
+            "stop": ["<<never>>"],
+        },
+        timeout=300,
+    ).json()["choices"][0]
+    tokens = free["logprobs"]["tokens"]
+    span = tokens[0][-min(2, len(tokens[0])) :] + tokens[1] + tokens[2][:1]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [span]}
+    text, finish, _ = _ask(server, "/v1/completions", body, stream)
+    assert finish == "stop" and span not in text
+    assert free["text"].startswith(text)
+
+
+def test_n_sequences_in_bf16(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 7}
+    for stream in (False, True):
+        _, _, count = _ask(server, "/v1/completions", body, stream)
+        assert count == 3
+
+
+# ---- metrics -------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,286 @@
+"""Parity cases: request bodies, and what a client observes of the answer, normalized.
+
+Each case is sent to plain vLLM's OpenAI server and to pdserve (colocated and disaggregated), in
+float32, streamed and not; `observe` reduces a response (JSON body or server-sent events) to what
+must be equal: per sequence the text, finish and stop reasons, token ids, logprob tokens and
+values, and the usage. Some cases are derived from plain vLLM's greedy answer (a stop string that
+spans the first token and the next, the id of the third token), so they test the seam on this
+host whatever the model happens to say.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+CHAT = [{"role": "user", "content": "Name a city in Egypt and describe it in one sentence."}]
+COMPLETION = "The capital of France is"
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+GRAMMAR = 'root ::= ("yes" | "no") " because " [a-z ]{1,20}'
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # completion | chat
+    body: dict
+    stream: bool = False
+
+
+def completion(name: str, stream: bool = False, **body: Any) -> Case:
+    return Case(name, "completion", {"prompt": COMPLETION, "temperature": 0, **body}, stream)
+
+
+def chat(name: str, stream: bool = False, **body: Any) -> Case:
+    return Case(name, "chat", {"messages": CHAT, "temperature": 0, **body}, stream)
+
+
+def cases(long_prompt: list[int], full: bool) -> list[Case]:
+    """The requests every system answers. `long_prompt`: corpus token ids for length cases."""
+    sampled = {"temperature": 1.0, "seed": 1234}
+    base = [
+        completion("greedy", max_tokens=16, logprobs=0, return_token_ids=True),
+        completion("greedy-stream", True, max_tokens=16, stream_options={"include_usage": True}),
+        chat("chat-greedy", max_tokens=24),
+        chat("chat-greedy-stream", True, max_tokens=24, stream_options={"include_usage": True}),
+        completion("min-tokens", max_tokens=12, min_tokens=8, stop=["\n"]),
+        completion("ignore-eos", max_tokens=12, ignore_eos=True),
+        completion("presence-penalty", max_tokens=16, presence_penalty=1.5),
+        completion("frequency-penalty", max_tokens=16, frequency_penalty=1.5),
+        completion("repetition-penalty", max_tokens=16, repetition_penalty=1.3),
+        completion("bad-words", max_tokens=12, bad_words=[" Paris", " the city"]),
+        completion("seed", max_tokens=16, **sampled),
+        completion("seed-stream", True, max_tokens=16, **sampled),
+        completion("logprobs", max_tokens=8, logprobs=2),
+        completion("logprobs-stream", True, max_tokens=8, logprobs=2),
+        completion("echo-logprobs", max_tokens=4, echo=True, logprobs=1),
+        completion("echo-only", max_tokens=0, echo=True),
+        completion("prompt-logprobs", max_tokens=4, prompt_logprobs=2),
+        chat("chat-logprobs", max_tokens=8, logprobs=True, top_logprobs=2),
+        chat("chat-logprobs-stream", True, max_tokens=8, logprobs=True, top_logprobs=2),
+        completion("n", max_tokens=8, n=3, **sampled),
+        chat("chat-n-stream", True, max_tokens=8, n=2, **sampled),
+        chat("max-completion-tokens", max_completion_tokens=7),
+        chat("json-object", max_tokens=60, response_format={"type": "json_object"}),
+        chat(
+            "json-schema",
+            max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        ),
+        completion(
+            "choice", max_tokens=10, structured_outputs={"choice": ["yes, it is", "no, it is not"]}
+        ),
+        completion("regex", max_tokens=12, structured_outputs={"regex": r"[A-Z][a-z]{2,8}\."}),
+        completion("json", max_tokens=40, structured_outputs={"json": SCHEMA}),
+        completion("grammar", max_tokens=16, structured_outputs={"grammar": GRAMMAR}),
+        completion(
+            "continuous-usage",
+            True,
+            max_tokens=5,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+        Case(
+            "prompt-1-token",
+            "completion",
+            {"prompt": long_prompt[:1], "max_tokens": 8, "temperature": 0},
+        ),
+        Case(
+            "prompt-127",
+            "completion",
+            {"prompt": long_prompt[:127], "max_tokens": 8, "temperature": 0},
+        ),
+        Case(
+            "prompt-129",
+            "completion",
+            {"prompt": long_prompt[:129], "max_tokens": 8, "temperature": 0},
+        ),
+        Case(
+            "prompt-max-len-1",
+            "completion",
+            {"prompt": long_prompt[:2047], "max_tokens": 1, "temperature": 0},
+        ),
+        Case(
+            "cached-tokens",
+            "completion",
+            {"prompt": long_prompt[:300], "max_tokens": 4, "temperature": 0},
+        ),
+        chat("tools", max_tokens=8, tools=[_TOOL], tool_choice="auto"),
+    ]
+    if full:
+        base += [
+            Case(
+                f"prompt-{n}",
+                "completion",
+                {"prompt": long_prompt[:n], "max_tokens": 16, "temperature": 0},
+            )
+            for n in (2, 128, 255, 256, 257, 1023, 1500)
+        ]
+        base += [
+            completion("stop-token-ids-stream", True, max_tokens=16, stop_token_ids=[2]),
+            completion(
+                "choice-stream", True, max_tokens=10, structured_outputs={"choice": ["yes", "no"]}
+            ),
+            chat(
+                "json-schema-stream",
+                True,
+                max_tokens=60,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "c", "schema": SCHEMA},
+                },
+            ),
+        ]
+    return base
+
+
+_TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def derived(reference: dict) -> list[Case]:
+    """Cases built from plain vLLM's greedy answer on this host (the "greedy" case)."""
+    choice = reference["choices"][0]
+    tokens, ids = choice["tokens"], choice["token_ids"]
+    first = tokens[0]
+    # starts inside the first token's text, ends inside the third token's
+    span = first[-min(2, len(first)) :] + tokens[1] + tokens[2][:1]
+    return [
+        completion("stop-spanning-first-token", max_tokens=16, stop=[span]),
+        completion("stop-spanning-stream", True, max_tokens=16, stop=[span]),
+        completion("stop-include", max_tokens=16, stop=[span], include_stop_str_in_output=True),
+        completion("stop-token-id", max_tokens=16, stop_token_ids=[ids[2]]),
+        completion("logit-bias", max_tokens=8, logit_bias={str(ids[0]): -100}),
+        completion("allowed-token-ids", max_tokens=6, allowed_token_ids=sorted(set(ids[:6]))),
+    ]
+
+
+def send(url: str, case: Case) -> dict:
+    """Send one case; returns what the client observes."""
+    path = "/v1/completions" if case.kind == "completion" else "/v1/chat/completions"
+    body = {**case.body, "stream": case.stream}
+    with httpx.Client(base_url=url, timeout=300) as client:
+        if not case.stream:
+            response = client.post(path, json=body)
+            if response.status_code != 200:
+                return {"status": response.status_code}
+            return observe(case.kind, response.json())
+        with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                return {"status": response.status_code}
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return observe_stream(case.kind, [json.loads(e) for e in events[:-1]])
+
+
+def observe(kind: str, body: dict) -> dict:
+    choices = {}
+    for choice in body["choices"]:
+        text = choice["text"] if kind == "completion" else choice["message"]["content"]
+        seen = {
+            "text": text,
+            "finish_reason": choice["finish_reason"],
+            "stop_reason": choice.get("stop_reason"),
+            "token_ids": choice.get("token_ids"),
+        }
+        seen.update(_logprobs(kind, choice.get("logprobs")))
+        choices[choice["index"]] = seen
+    prompt_logprobs = body.get("prompt_logprobs") or (
+        body["choices"][0].get("prompt_logprobs") if body["choices"] else None
+    )
+    return {
+        "status": 200,
+        "choices": choices,
+        "usage": _usage(body.get("usage")),
+        "prompt_logprobs": prompt_logprobs,
+    }
+
+
+def observe_stream(kind: str, chunks: list[dict]) -> dict:
+    choices: dict[int, dict] = {}
+    usages = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            seen = choices.setdefault(
+                choice["index"],
+                {
+                    "text": "",
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "tokens": [],
+                    "values": [],
+                },
+            )
+            if kind == "completion":
+                seen["text"] += choice.get("text") or ""
+            else:
+                seen["text"] += (choice.get("delta") or {}).get("content") or ""
+            if choice.get("finish_reason"):
+                seen["finish_reason"] = choice["finish_reason"]
+                seen["stop_reason"] = choice.get("stop_reason")
+            more = _logprobs(kind, choice.get("logprobs"))
+            seen["tokens"] += more.get("tokens", [])
+            seen["values"] += more.get("values", [])
+    return {
+        "status": 200,
+        "choices": choices,
+        "usage": _usage(usages[-1]) if usages else None,
+        "usage_chunks": len(usages),
+    }
+
+
+def _logprobs(kind: str, logprobs: dict | None) -> dict:
+    if not logprobs:
+        return {}
+    if kind == "completion":
+        tops = [sorted(top.items()) if top else None for top in logprobs["top_logprobs"]]
+        return {"tokens": logprobs["tokens"], "values": logprobs["token_logprobs"], "tops": tops}
+    content = logprobs["content"] or []
+    return {
+        "tokens": [item["token"] for item in content],
+        "values": [item["logprob"] for item in content],
+        "tops": [[(t["token"], t["logprob"]) for t in item["top_logprobs"]] for item in content],
+    }
+
+
+def _usage(usage: dict | None) -> tuple | None:
+    if not usage:
+        return None
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return usage["prompt_tokens"], usage["completion_tokens"], cached
+
+
+def differences(expected: Any, got: Any, where: str = "") -> list[str]:
+    """Where `got` differs from `expected`: exactly, but floats within 1e-3 (the decode engine
+    may compute the first token's position as a decode step; float32 keeps that close)."""
+    if isinstance(expected, float) and isinstance(got, float):
+        return (
+            [] if math.isclose(expected, got, abs_tol=1e-3) else [f"{where}: {expected} != {got}"]
+        )
+    if isinstance(expected, dict) and isinstance(got, dict):
+        keys = set(expected) | set(got)
+        return [
+            d
+            for k in sorted(keys, key=str)
+            for d in differences(expected.get(k), got.get(k), f"{where}.{k}")
+        ]
+    if isinstance(expected, list | tuple) and isinstance(got, list | tuple):
+        if len(expected) != len(got):
+            return [f"{where}: length {len(expected)} != {len(got)}"]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(expected, got, strict=True))
+            for d in differences(a, b, f"{where}[{i}]")
+        ]
+    return [] if expected == got else [f"{where}: {expected!r} != {got!r}"]
