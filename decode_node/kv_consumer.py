@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode_node.kv_client import KVClient
-from pdserve.kv.handle import REMOTE_PREFILL, HandleError, KVHandle, wants_remote_prefill
+from pdserve.kv.handle import (
+    REMOTE_PREFILL,
+    HandleError,
+    KVHandle,
+    produced_tokens,
+    wants_remote_prefill,
+)
 from pdserve.kv.settings import ConnectorSettings
 from pdserve.kv.stats import TransferStats
 from pdserve.kv.transport.plane import DataPlane
@@ -67,10 +73,7 @@ class ConsumerScheduler:
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return 0, False
-        try:
-            produced = int(params.get("remote_num_tokens", request.num_prompt_tokens))
-        except (TypeError, ValueError):
-            produced = request.num_prompt_tokens
+        produced = produced_tokens(params, request.num_prompt_tokens)
         remaining = min(produced, request.num_prompt_tokens) - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
 
@@ -86,7 +89,7 @@ class ConsumerScheduler:
         fresh = list(blocks.get_unhashed_block_ids())
         cached = len(local_all) - len(fresh)
         try:
-            handle = KVHandle.from_params(params)
+            handle = KVHandle.from_params(params, self.settings.peer_hosts)
             remote = list(handle.block_ids[cached : cached + len(fresh)])
             if len(remote) != len(fresh):
                 raise HandleError(
@@ -102,14 +105,28 @@ class ConsumerScheduler:
         """Everything was cached here: let the producer free its blocks instead of waiting for
         the lease (the request is not waiting for KV, so vLLM hears nothing of this)."""
         try:
-            KVHandle.from_params(params)
+            KVHandle.from_params(params, self.settings.peer_hosts)
         except HandleError:
             return
         self._recv[f"release:{request_id}"] = RecvSpec(dict(params), [], [], release_only=True)
 
+    def failed_pull(self, request_id: str, params: Any) -> None:
+        """A pull that must fail (something went wrong before it could be planned): the worker
+        reports it failed, so vLLM applies the failure policy instead of waiting forever."""
+        self._recv[request_id] = RecvSpec(dict(params) if isinstance(params, dict) else {}, [], [])
+        self._receiving.add(request_id)
+
     def is_receiving(self, request_id: str) -> bool:
         """A pull still writes into this request's blocks (free them when it ends)."""
         return request_id in self._receiving
+
+    def request_finished(self, request: Any) -> None:
+        """A request that ended before its pull was planned (aborted: its client left) gives its
+        handle back, so the producer frees the blocks now rather than when the lease ends."""
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):
+            params[REMOTE_PREFILL] = False
+            self._release_unneeded(request.request_id, params)
 
     def take_pulls(self) -> dict[str, RecvSpec]:
         pulls, self._recv = self._recv, {}
@@ -142,7 +159,7 @@ class ConsumerWorker:
 
     def _release(self, spec: RecvSpec) -> None:
         try:
-            handle = KVHandle.from_params(spec.params)
+            handle = KVHandle.from_params(spec.params, self.settings.peer_hosts)
             deadline = time.monotonic() + min(self.settings.timeout_s, 5.0)
             self.client.pull(handle, [], [], self.tp_rank, deadline)
             self.stats.released()
@@ -154,7 +171,7 @@ class ConsumerWorker:
         try:
             if not spec.remote_block_ids:
                 raise TransferError("bad_handle", "the request's kv_transfer_params are not usable")
-            handle = KVHandle.from_params(spec.params)
+            handle = KVHandle.from_params(spec.params, self.settings.peer_hosts)
             lease_left = handle.lease_deadline - time.time()
             if lease_left <= 0:
                 raise TransferError("lease_expired", f"lease ended {-lease_left:.1f} s ago")

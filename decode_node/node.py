@@ -74,10 +74,22 @@ class DecodeNode(EngineActor):
         return KVLoadFailed("unknown", "the engine reported a KV load failure")
 
 
+def cluster_hosts(kv_host: str) -> tuple[str, ...]:
+    """Where prefill nodes' KV servers can be: the address they bind to, or (bound to every
+    interface) the Ray nodes' addresses they advertise."""
+    import ray
+
+    hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
+    if kv_host not in ("0.0.0.0", "::"):
+        hosts.add(kv_host)
+    return tuple(sorted(hosts))
+
+
 def create_decode_node(
     config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
 ):
-    """Place decode node `replica` with the decode pool's resources; `.start.remote()` next."""
+    """Place decode node `replica` with the decode pool's resources; `.start.remote()` next. Its
+    connector pulls only from this cluster's KV servers."""
     kv, pool = config.kv_transfer, config.pools.decode
     return create_engine_actor(
         DecodeNode,
@@ -88,6 +100,8 @@ def create_decode_node(
         pool,
         replica,
         kv_transfer=vllm_kv_transfer_config(
-            "kv_consumer", kv.connector_settings(secret, 0), kv.failure_policy
+            "kv_consumer",
+            kv.connector_settings(secret, 0, cluster_hosts(kv.host)),
+            kv.failure_policy,
         ),
     )

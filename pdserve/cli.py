@@ -51,9 +51,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"pdserve serve: {error}", file=sys.stderr)
         return 2
+    if not _loopback(config.router.host) and not config.router.api_key and not args.insecure:
+        print(
+            f"pdserve serve: refusing to serve on {config.router.host} without an API key: set "
+            "router.api_key (clients then send `Authorization: Bearer <key>`), bind to "
+            "127.0.0.1, or pass --insecure to serve anyone who can reach the port",
+            file=sys.stderr,
+        )
+        return 2
     if args.cache_dir:
         os.environ["PDSERVE_CACHE_DIR"] = args.cache_dir
     return run(config, ready_file=args.ready_file)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -177,7 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model", help="local Hugging Face model folder, or 'default'")
     serve.add_argument("--address", help="join this Ray cluster instead of starting a local one")
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument(
+        "--host",
+        help="address to bind (default 127.0.0.1); any other needs router.api_key or --insecure",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve on a non-loopback address without an API key (anyone who reaches the port "
+        "can use the model)",
+    )
     serve.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
     serve.add_argument(
         "--grpc-port", type=int, help="gRPC port (default 50051; 0 picks a free one)"

@@ -103,12 +103,17 @@ class RouterConfig(_Strict):
     """Deadline for one request, from arrival to its last token."""
     max_outstanding_requests: int = Field(256, gt=0)
     """Requests admitted at once; beyond this the router answers 429 / RESOURCE_EXHAUSTED."""
+    max_request_bytes: int = Field(4 << 20, gt=0)
+    """Largest request body (HTTP: 413 beyond it; gRPC: RESOURCE_EXHAUSTED)."""
     served_model_name: str | None = None
     """Model name clients use. None: the model folder's name."""
     policy: Literal["least_outstanding", "power_of_two", "round_robin"] = "least_outstanding"
     """How a node is chosen in each pool (see router/policies.py)."""
     max_attempts: int = Field(3, ge=1)
-    """Times a request may run when nodes fail under it (router/retry.py says when)."""
+    """Times a request may run when nodes fail under it, resumes included (router/retry.py)."""
+    stream_resume: bool = True
+    """Continue a stream whose node failed mid-way on another node, from the tokens already
+    sent (sampling without state only); off: such a stream ends with an explicit error."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
     enable_prompt_tokens_details: bool = False
@@ -135,8 +140,11 @@ class KVTransferConfig(_Strict):
     timeout_s: float = Field(KV_DEFAULTS.timeout_s, gt=0)
     """Deadline for one KV pull."""
 
-    def connector_settings(self, secret: str, port: int) -> ConnectorSettings:
-        """The connector's settings for one engine (its KV server port and the run's secret)."""
+    def connector_settings(
+        self, secret: str, port: int, peer_hosts: tuple[str, ...] | None = None
+    ) -> ConnectorSettings:
+        """The connector's settings for one engine (its KV server port, the run's secret, and for
+        a consumer the hosts handles may point to)."""
         return ConnectorSettings(
             host=self.host,
             port=port,
@@ -144,6 +152,7 @@ class KVTransferConfig(_Strict):
             lease_s=self.lease_s,
             timeout_s=self.timeout_s,
             secret=secret,
+            peer_hosts=peer_hosts,
         )
 
 

@@ -153,7 +153,7 @@ async def _serve(service, config: PDServeConfig, on_ready) -> None:
     then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
 
-    from router.grpc_api import create_server
+    from router.grpc_api import create_server, follow_pools
     from router.openai_http import create_app
 
     class _Server(uvicorn.Server):
@@ -164,11 +164,12 @@ async def _serve(service, config: PDServeConfig, on_ready) -> None:
     pools = list(service.dispatcher.pools.values())
     for pool in pools:
         pool.start_watching()
-    host, key = config.router.host, config.router.api_key
+    host, key, limit = config.router.host, config.router.api_key, config.router.max_request_bytes
     grpc_server, grpc_port, grpc_health = await create_server(
-        service, f"{host}:{config.router.grpc_port}", key
+        service, f"{host}:{config.router.grpc_port}", key, limit
     )
-    app = create_app(service, key)
+    health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
+    app = create_app(service, key, limit)
     http = _Server(
         uvicorn.Config(app, host=host, port=config.router.http_port, log_level="warning")
     )
@@ -181,6 +182,8 @@ async def _serve(service, config: PDServeConfig, on_ready) -> None:
     if http.started:
         on_ready(host, http.servers[0].sockets[0].getsockname()[1], grpc_port)
     await task
+    health_task.cancel()
+    await asyncio.gather(health_task, return_exceptions=True)
     await grpc_health.enter_graceful_shutdown()
     await grpc_server.stop(grace=5)
     for pool in pools:
@@ -229,7 +232,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             dispatcher,
             metrics,
             admission,
-            RetryPolicy(config.router.max_attempts),
+            RetryPolicy(config.router.max_attempts, config.router.stream_resume),
             config.router.request_timeout_s,
         )
         metrics.in_flight.set_function(lambda: admission.outstanding)

@@ -52,11 +52,13 @@ class ProducerScheduler:
         logger.info("KV connector: workers serve KV on ports %s", self.ports)
 
     def request_finished(
-        self, request: Any, block_ids: list[int], finished_normally: bool
+        self, request: Any, block_ids: list[int], handed_over: bool
     ) -> tuple[bool, dict | None]:
-        """Keep a remote-decode request's blocks under a lease; returns (keep, handle)."""
+        """Keep a remote-decode request's blocks under a lease when a decode follows
+        (`handed_over`: it ended at its token budget, not stopped or aborted); returns (keep,
+        handle)."""
         params = request.kv_transfer_params
-        if not wants_remote_decode(params) or not finished_normally or not block_ids:
+        if not wants_remote_decode(params) or not handed_over or not block_ids:
             return False, None
         deadline = time.time() + self.settings.lease_s
         readers = readers_of(params)

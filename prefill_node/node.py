@@ -35,7 +35,10 @@ def prefill_params(params: Any, sample_first: bool, readers: int) -> Any:
     if not sample_first:
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=kv)
+        # ignore_eos: it always ends at its budget, so its KV is always handed over
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=kv
+        )
     first = params.clone()
     first.max_tokens = 1
     first.min_tokens = min(params.min_tokens, 1)

@@ -15,8 +15,9 @@ node was healthy):
    (`DecodeNode.decode`); it pulls the KV and streams the rest — or, without a first token,
    every token.
 `max_tokens: 1` is served by a prefill node alone, and a request that needs prompt logprobs by
-the decode node alone. With no healthy prefill node, the decode node serves the whole request
-itself (`prefill_fallback`), or the request gets 503.
+the decode node alone. Degraded: with no healthy prefill node, the decode node serves the whole
+request itself (`prefill_fallback`, or 503 when it is off); with no healthy decode node, a
+prefill node does. 503 only when neither pool has a healthy node.
 """
 
 from __future__ import annotations
@@ -63,18 +64,26 @@ class Disaggregated:
         self.prefill_fallback = prefill_fallback
         self.on_fallback = on_fallback
         """Called once per request the decode node prefills for itself (a metric)."""
+        self.on_degraded = None
+        """Called once per request a prefill node serves whole for want of a decode node."""
 
     def check_available(self) -> None:
-        if not self.decode.healthy_nodes():
-            raise PoolUnavailable("no healthy node in the decode pool")
-        if not self.prefill.healthy_nodes() and not self.prefill_fallback:
+        decode, prefill = self.decode.healthy_nodes(), self.prefill.healthy_nodes()
+        if not decode and not prefill:
+            raise PoolUnavailable("no healthy node in either pool")
+        if not prefill and not self.prefill_fallback:
             raise PoolUnavailable("no healthy node in the prefill pool (fallback is off)")
 
     async def deltas(self, prepared: PreparedRequest, deadline: float) -> AsyncIterator[TokenDelta]:
         rid, prompt = prepared.request_id, prepared.prompt_token_ids
         params = prepared.sampling_params
-        if params.max_tokens == 1 and self.prefill.healthy_nodes():
-            # nothing to hand over: a prefill node does it all, as one engine
+        no_decode = not self.decode.healthy_nodes()
+        if (params.max_tokens == 1 or no_decode) and self.prefill.healthy_nodes():
+            # nothing to hand over, or nobody to hand over to: a prefill node does it all
+            if no_decode:
+                logger.warning("%s: no healthy decode node; a prefill node serves it", rid)
+                if self.on_degraded is not None:
+                    self.on_degraded()
             async for delta in _relay(
                 self.prefill, self.prefill.pick(), "generate", prepared, deadline
             ):

@@ -40,6 +40,12 @@ class ModelNotFound(RequestError):
     kind = "model_not_found"
 
 
+class PayloadTooLarge(RequestError):
+    http_status = 413
+    grpc_status = "RESOURCE_EXHAUSTED"
+    kind = "request_too_large"
+
+
 class Overloaded(RequestError):
     """Queues are full: retry later (HTTP 429 with Retry-After)."""
 

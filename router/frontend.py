@@ -79,6 +79,8 @@ class Frontend:
             raise InvalidRequest(message, param) from None
         except _client_errors() as error:  # vLLM's own request checks
             raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
+        except RecursionError:
+            raise InvalidRequest("request body is nested too deeply") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_name:

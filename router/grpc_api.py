@@ -9,6 +9,7 @@ engine request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import aclosing
@@ -21,7 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.engine.types import TokenDelta
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
-from router.errors import InvalidRequest, RequestError, Unauthorized
+from router.auth import authorized
+from router.errors import InvalidRequest, PoolUnavailable, RequestError, Unauthorized
 from router.service import RouterService
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.service.rejected("grpc", error)
             await context.abort(_status(error), error.message)
         try:
-            admitted = self.service.open(kind, body, "grpc")
+            admitted = await self.service.open(kind, body, "grpc")
         except RequestError as error:
             await context.abort(_status(error), error.message)
         completion: dict[int, int] = {}
@@ -137,18 +139,41 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(_status(error), error.message)
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.api_key:
-            return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.api_key}":
+        if not authorized(self.api_key, metadata.get("authorization")):
             raise Unauthorized("missing or wrong API key (metadata `authorization: Bearer <key>`)")
 
 
+HEALTH_INTERVAL_S = 1.0
+
+
+async def follow_pools(health_servicer: Any, dispatcher: Any) -> None:
+    """Keep grpc.health.v1 in step with the pools: SERVING while some node can take a request,
+    NOT_SERVING while none can (runs until cancelled)."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    last = None
+    while True:
+        try:
+            dispatcher.check_available()
+            status = serving
+        except PoolUnavailable:
+            status = not_serving
+        if status != last:
+            for name in ("", SERVICE):
+                await health_servicer.set(name, status)
+            last = status
+        await asyncio.sleep(HEALTH_INTERVAL_S)
+
+
 async def create_server(
-    service: RouterService, address: str, api_key: str | None = None
+    service: RouterService,
+    address: str,
+    api_key: str | None = None,
+    max_request_bytes: int = 4 << 20,
 ) -> tuple[grpc.aio.Server, int, Any]:
     """Build and start the gRPC server; returns (server, bound port, health servicer)."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_request_bytes)])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(service, api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

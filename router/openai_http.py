@@ -10,6 +10,7 @@ shape the responses, so the official `openai` client works unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,9 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from router.auth import authorized
 from router.errors import (
     InvalidRequest,
     Overloaded,
+    PayloadTooLarge,
     PoolUnavailable,
     RequestError,
     Unauthorized,
@@ -39,16 +42,30 @@ def _error_response(error: RequestError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+DISCONNECT_POLL_S = 0.5
+"""How often a non-streamed request checks that its client is still there."""
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    """The body as JSON, read no further than `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {limit}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
 
 
 def _check_auth(api_key: str | None, request: Request) -> None:
-    if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+    if not authorized(api_key, request.headers.get("authorization")):
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
 
 
@@ -86,7 +103,9 @@ def _node_view(node) -> dict:
     }
 
 
-def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
+def create_app(
+    service: RouterService, api_key: str | None = None, max_request_bytes: int = 4 << 20
+) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
     dispatcher = service.dispatcher
 
@@ -95,7 +114,14 @@ def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
         return _error_response(error)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """Liveness for anyone; the detail (pools, nodes, load) only with the key."""
+        if not authorized(api_key, request.headers.get("authorization")):
+            try:
+                dispatcher.check_available()
+            except PoolUnavailable:
+                return JSONResponse({"status": "unavailable"}, status_code=503)
+            return JSONResponse({"status": "ok"})
         pools = {
             name: {
                 "healthy": len(pool.healthy_nodes()),
@@ -130,9 +156,10 @@ def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        _check_auth(api_key, request)
         registry = service.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -140,11 +167,11 @@ def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
         started = time.monotonic()
         try:
             _check_auth(api_key, request)
-            body = await _json_body(request)
+            body = await _json_body(request, max_request_bytes)
         except RequestError as error:
             service.rejected("http", error)
             raise
-        admitted = service.open(kind, body, "http")
+        admitted = await service.open(kind, body, "http")
         prepared = admitted.prepared
         logger.info(
             "%s: %d prompt tokens, max_tokens=%s, stream=%s (prepared in %.1f ms)",
@@ -156,7 +183,15 @@ def create_app(service: RouterService, api_key: str | None = None) -> FastAPI:
         )
         if prepared.stream:
             return StreamingResponse(_sse(service, admitted), media_type="text/event-stream")
-        got = await service.collect(admitted)
+        collecting = asyncio.ensure_future(service.collect(admitted))
+        while not collecting.done():  # a client that leaves cancels its request
+            await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
+            if not collecting.done() and await request.is_disconnected():
+                collecting.cancel()
+                await asyncio.gather(collecting, return_exceptions=True)
+                logger.info("%s: client left; cancelled", prepared.request_id)
+                return Response(status_code=499)
+        got = collecting.result()
         frontend = service.frontend
         return JSONResponse(full_response(frontend.served_name, prepared, got, frontend.tokenizer))
 

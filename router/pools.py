@@ -20,8 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.engine.types import TokenDelta
-from router.errors import DeadlineExceeded, NodeFailed, PoolUnavailable
+from pdserve.engine.types import RequestRejected, TokenDelta
+from router.errors import DeadlineExceeded, InvalidRequest, NodeFailed, PoolUnavailable
 from router.metrics.balance import counters
 from router.nodes import Node
 from router.policies import RoutingPolicy
@@ -81,6 +81,8 @@ class Pool:
                     yield delta
         except TimeoutError:
             raise DeadlineExceeded(f"request {request_id} passed its deadline") from None
+        except RequestRejected as error:
+            raise InvalidRequest(error.message) from None
         except NodeFailed as error:
             self.mark_failed(node, error.message)
             raise NodeFailed(
@@ -134,7 +136,8 @@ class Pool:
                 self.mark_failed(node, f"{node.missed_checks} missed health checks")
             return
         node.missed_checks = 0
-        if not healthy:  # Ray restarted the actor: it is up, but its engine is not built
+        if not healthy:  # restarted by Ray, or its engine died: the actor is up, no engine
+            self.mark_failed(node, "no engine; building one")
             node.restarting = True
             asyncio.get_running_loop().create_task(self._restart(node))
             return

@@ -1,8 +1,9 @@
 """`NodeClient` over Ray: a node is an engine actor, its streaming methods Ray streaming calls.
 
 Ray reports a dead or restarting actor as `ActorDiedError` / `ActorUnavailableError` (within
-milliseconds of the process dying); both become `NodeFailed`. An exception the node's own code
-raised (e.g. `KVLoadFailed`) arrives as itself. A stream closed before its last delta is
+milliseconds of the process dying); both become `NodeFailed`, and so does `EngineDown` (the
+actor lives but its engine died). Other exceptions the node's own code raised (`KVLoadFailed`,
+`RequestRejected`) arrive as themselves. A stream closed before its last delta is
 cancelled with `ray.cancel`: vLLM sees `CancelledError` and aborts the request.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
+from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, TokenDelta
 from router.errors import NodeFailed
 from router.nodes import NodeClient
 
@@ -38,6 +39,8 @@ class RayNodeClient(NodeClient):
                 yield delta
         except NODE_FAILURES as error:
             raise NodeFailed(type(error).__name__) from None
+        except EngineDown as error:
+            raise NodeFailed(error.message) from None
         finally:
             if not finished:
                 ray.cancel(call)

@@ -61,3 +61,23 @@ def placement(params: Any) -> Placement:
     if stateful_fields(params):
         return FIRST_ON_DECODE
     return FIRST_ON_PREFILL
+
+
+def resumable(params: Any) -> bool:
+    """Whether a stream cut mid-way can continue on another node from the tokens already sent:
+    only when those tokens are all the state sampling needs (the same test as sampling the first
+    token on the prefill node)."""
+    return placement(params) == FIRST_ON_PREFILL
+
+
+def continued(prepared: Any, sent: list[int]) -> Any:
+    """The request that continues `prepared` after `sent` tokens: their ids appended to the
+    prompt, the budget reduced by as many (what one engine would compute next)."""
+    from dataclasses import replace
+
+    params = prepared.sampling_params.clone()
+    params.max_tokens = prepared.sampling_params.max_tokens - len(sent)
+    params.min_tokens = max(0, prepared.sampling_params.min_tokens - len(sent))
+    return replace(
+        prepared, prompt_token_ids=prepared.prompt_token_ids + sent, sampling_params=params
+    )

@@ -1,9 +1,9 @@
 """The router's service, shared by both edges (OpenAI HTTP and gRPC).
 
 Life of a request here:
-1. `open(kind, body, api)`: the frontend validates and tokenizes the body, the dispatcher says
-   whether any node can take it, and admission gives it a slot — or it is refused with a
-   `RequestError` (and counted).
+1. `open(kind, body, api)`: the dispatcher says whether any node can take it, admission gives
+   it a slot, and the frontend validates and tokenizes the body off the event loop — or it is
+   refused with a `RequestError` (counted, its slot given back).
 2. `stream(request)` or `collect(request)`: the request runs under the retry policy
    (router/retry.py) with its deadline (`router.request_timeout_s` from arrival); its latencies
    are observed once, its outcome counted, and its slot released however it ends.
@@ -11,6 +11,7 @@ Life of a request here:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -82,14 +83,20 @@ class RouterService:
         self.admission, self.retry = admission, retry
         self.request_timeout_s = request_timeout_s
 
-    def open(self, kind: str, body: Any, api: str) -> Admitted:
-        """Validate, check the pools, admit; a refusal is counted and raised."""
+    async def open(self, kind: str, body: Any, api: str) -> Admitted:
+        """Check the pools, admit, then validate and tokenize (on a thread: a long prompt must
+        not stall the event loop the health checks and streams run on); a refusal is counted
+        and raised, and gives its slot back."""
+        slot = None
         try:
-            prepared = self.frontend.prepare(kind, body)
             self.dispatcher.check_available()
             slot = self.admission.admit()
-        except RequestError as error:
-            self.rejected(api, error)
+            prepared = await asyncio.to_thread(self.frontend.prepare, kind, body)
+        except BaseException as error:
+            if slot is not None:
+                slot.release()
+            if isinstance(error, RequestError):
+                self.rejected(api, error)
             raise
         timer = RequestTimer(self.metrics, api, prepared.arrival, live=prepared.stream)
         return Admitted(prepared, slot, timer)
@@ -101,10 +108,15 @@ class RouterService:
     def _on_retry(self, error: NodeFailed) -> None:
         self.metrics.retries.labels(pool=error.pool or "unknown").inc()
 
+    def _on_resume(self, error: NodeFailed) -> None:
+        self.metrics.resumes.labels(pool=error.pool or "unknown").inc()
+
     def _runs(self, request: Admitted) -> AsyncIterator[TokenDelta | object]:
         prepared = request.prepared
         deadline = prepared.arrival + self.request_timeout_s
-        return runs(self.dispatcher, prepared, deadline, self.retry, self._on_retry)
+        return runs(
+            self.dispatcher, prepared, deadline, self.retry, self._on_retry, self._on_resume
+        )
 
     async def stream(self, request: Admitted) -> AsyncIterator[TokenDelta]:
         """The deltas of a streamed request, as they come."""

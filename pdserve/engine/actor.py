@@ -27,7 +27,7 @@ import ray
 
 from pdserve.config import EngineConfig, PoolConfig
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
-from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
+from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, RequestRejected, TokenDelta
 from pdserve.roofline.live import resolve_peaks
 
 logger = logging.getLogger(__name__)
@@ -168,9 +168,14 @@ class EngineActor:
         self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
     ) -> AsyncIterator[TokenDelta]:
         """Feed one request to vLLM and yield its deltas, one per sequence that has new output
-        (the handle, if any, on the last)."""
+        (the handle, if any, on the last). vLLM's refusal of the request becomes
+        `RequestRejected`, a dead engine `EngineDown`."""
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self._engine is None:
+            raise EngineDown(f"{self._name} has no engine (it is starting)")
         sampling_params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": prompt_token_ids}
         self._stats.requests_started_total += 1
@@ -196,6 +201,10 @@ class EngineActor:
                         num_cached_tokens=output.num_cached_tokens if first else None,
                     )
                     first = False
+        except VLLMClientError as error:
+            raise RequestRejected(str(error)) from None
+        except EngineDeadError:
+            raise EngineDown(f"the engine of {self._name} died") from None
         finally:
             self._stats.decode_context_tokens -= context
             self._stats.requests_finished_total += 1
@@ -204,10 +213,27 @@ class EngineActor:
         await self._engine.abort(request_id)
 
     async def check_health(self) -> bool:
+        """True while the engine serves. False when there is none: never built, or found dead
+        here and cleared, so the router builds a new one (`start`)."""
         if self._engine is None:
             return False
-        await self._engine.check_health()
-        return not self._engine.errored
+        try:
+            await self._engine.check_health()
+            dead = self._engine.errored
+        except Exception as error:
+            logger.error("engine %s failed its health check: %r", self._name, error)
+            dead = True
+        if dead:
+            logger.error("engine %s is dead; clearing it for a rebuild", self._name)
+            self._drop_engine()
+        return not dead
+
+    def _drop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        try:
+            engine.shutdown()
+        except Exception as error:  # it is dead already; its processes are reaped with it
+            logger.warning("shutting down the dead engine of %s: %r", self._name, error)
 
     async def stats(self) -> NodeStats:
         if self._gpu is not None:

@@ -57,6 +57,29 @@ class NodeInfo:
     start_s: float
 
 
+class RequestRejected(ValueError):
+    """The engine refused the request as invalid (vLLM's own checks, run when the request is
+    added): the client's mistake, answered with a 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
+class EngineDown(RuntimeError):
+    """The node's engine died under the request (its process is gone); the node rebuilds it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
 class KVLoadFailed(RuntimeError):
     """The decode engine could not load the request's KV and the policy is `fail`."""
 

@@ -13,6 +13,11 @@ prefill node (`prefill_node/kv_producer.py`), the consumer half with the decode 
 imported lazily (`HALVES`), like the data planes, so this shared package imports neither role.
 Transfers are whole-request and pulled by the consumer after the prefill finished, so the
 per-layer hooks have nothing to do.
+
+No hook may raise into vLLM: an exception in a scheduler hook would end the EngineCore, and
+with it every request on the engine. Each hook catches what its half raises, logs it, and fails
+only the request concerned (a pull that cannot be planned is reported failed, so vLLM applies
+`kv_load_failure_policy`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ ROLE_HALVES = {
     "kv_consumer": ("consumer",),
     "kv_both": ("producer", "consumer"),
 }
-_NORMAL_FINISH = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 def _half(name: str, side: int) -> type:
@@ -132,11 +136,21 @@ class PDServeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if self.consumer is None:
             return 0, False
-        return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # nothing loaded: the engine computes the prompt itself
+            logger.exception("KV connector: matching %s failed", request.request_id)
+            return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        if self.consumer is not None:
+        if self.consumer is None:
+            return
+        try:
             self.consumer.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # the request waits for remote KV: it must hear that none comes
+            logger.exception("KV connector: planning the pull of %s failed", request.request_id)
+            if num_external_tokens > 0:
+                self.consumer.failed_pull(request.request_id, request.kv_transfer_params)
 
     def build_connector_meta(self, scheduler_output):
         return PDServeMetadata(
@@ -145,12 +159,20 @@ class PDServeConnector(KVConnectorBase_V1):
         )
 
     def request_finished(self, request, block_ids):
-        if self.consumer is not None and self.consumer.is_receiving(request.request_id):
-            return True, None  # a pull still writes into these blocks: free them when it ends
-        if self.producer is None:
+        try:
+            if self.consumer is not None:
+                if self.consumer.is_receiving(request.request_id):
+                    return True, None  # a pull still writes into these blocks
+                self.consumer.request_finished(request)
+            if self.producer is None:
+                return False, None
+            # only a prefill cut at its one token is followed by a decode; one that stopped
+            # (EOS, a stop token) has nothing to hand over, so its blocks go at once
+            handed_over = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            return self.producer.request_finished(request, block_ids, handed_over)
+        except Exception:
+            logger.exception("KV connector: finishing %s failed", request.request_id)
             return False, None
-        normal = request.status in _NORMAL_FINISH
-        return self.producer.request_finished(request, block_ids, normal)
 
     def update_connector_output(self, connector_output):
         if self.consumer is not None:
@@ -203,7 +225,7 @@ class PDServeConnector(KVConnectorBase_V1):
         if self.producer is not None:
             self.producer.offer(meta.send)
         if self.consumer is not None:
-            self.consumer.start(meta.recv)
+            self.consumer.start(meta.recv)  # pulls run on threads that catch everything
 
     def wait_for_layer_load(self, layer_name):
         """Nothing to wait for: whole requests are loaded before they are scheduled."""

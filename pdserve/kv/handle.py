@@ -6,6 +6,7 @@ It travels in vLLM's `kv_transfer_params` (a JSON-able dict) through the OpenAI 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,10 @@ def producer_params(readers: int = 1) -> dict[str, Any]:
 
 def readers_of(params: dict[str, Any]) -> int:
     """How many completed pulls a prefill's lease allows (1 unless the router asked for more)."""
-    try:
-        return min(MAX_READERS, max(1, int(params.get(READERS, 1))))
-    except (TypeError, ValueError):
+    value = params.get(READERS, 1) if isinstance(params, dict) else 1
+    if isinstance(value, bool) or not isinstance(value, int):
         return 1
+    return min(MAX_READERS, max(1, value))
 
 
 @dataclass(frozen=True)
@@ -68,30 +69,81 @@ class KVHandle:
         }
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> KVHandle:
+    def from_params(cls, params: Any, peer_hosts: tuple[str, ...] | None = None) -> KVHandle:
+        """The handle in `params`, every field checked for type and range (a handle is data from
+        another process: it can fail one request, never the engine). `peer_hosts`: the hosts a
+        handle may point to (None: any)."""
+        if not isinstance(params, dict):
+            raise HandleError("kv_transfer_params is not an object")
+        host = _text(params, "remote_host", MAX_HOST)
+        if not host or (peer_hosts is not None and host not in peer_hosts):
+            raise HandleError(f"remote_host {host!r} is not a KV server of this cluster")
+        ports = _ints(params, "remote_ports", 1, MAX_RANKS, 1, 65535)
+        block_ids = _ints(params, "remote_block_ids", 1, MAX_BLOCKS, 0, MAX_INT)
+        deadline = params.get("lease_deadline")
+        if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+            raise HandleError("lease_deadline must be a number")
+        if not math.isfinite(deadline):
+            raise HandleError("lease_deadline must be finite")
+        token = _text(params, "lease_token", 2 * MAX_TOKEN_BYTES, required=False)
         try:
-            handle = cls(
-                host=str(params["remote_host"]),
-                ports=tuple(int(p) for p in params["remote_ports"]),
-                request_id=str(params["remote_request_id"]),
-                block_ids=tuple(int(b) for b in params["remote_block_ids"]),
-                num_tokens=int(params["remote_num_tokens"]),
-                lease_deadline=float(params["lease_deadline"]),
-                engine_id=str(params.get("remote_engine_id", "")),
-                transport=str(params.get("transport", "tcp")),
-                lease_token=bytes.fromhex(str(params.get("lease_token", ""))),
-                readers=readers_of(params),
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise HandleError(f"kv_transfer_params is not a pdserve KV handle: {error!r}") from None
-        if not handle.ports or not handle.block_ids or handle.num_tokens < 1:
-            raise HandleError("kv_transfer_params names no blocks or no ports")
-        return handle
+            lease = bytes.fromhex(token)
+        except ValueError:
+            raise HandleError("lease_token must be hex") from None
+        return cls(
+            host=host,
+            ports=ports,
+            request_id=_text(params, "remote_request_id", MAX_ID),
+            block_ids=block_ids,
+            num_tokens=_int(params, "remote_num_tokens", 1, MAX_INT),
+            lease_deadline=float(deadline),
+            engine_id=_text(params, "remote_engine_id", MAX_ID, required=False),
+            transport=_text(params, "transport", 16, required=False) or "tcp",
+            lease_token=lease,
+            readers=readers_of(params),
+        )
 
 
-def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    return bool(params and params.get(REMOTE_DECODE))
+MAX_HOST, MAX_ID, MAX_TOKEN_BYTES = 255, 512, 64
+MAX_RANKS, MAX_BLOCKS, MAX_INT = 64, 1 << 20, (1 << 31) - 1
 
 
-def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
-    return bool(params and params.get(REMOTE_PREFILL))
+def _text(params: dict, name: str, limit: int, required: bool = True) -> str:
+    value = params.get(name, None if required else "")
+    if not isinstance(value, str) or len(value) > limit or (required and not value):
+        raise HandleError(f"{name} must be a string of 1 to {limit} characters")
+    return value
+
+
+def _int(params: dict, name: str, low: int, high: int) -> int:
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise HandleError(f"{name} must be an integer from {low} to {high}")
+    return value
+
+
+def _ints(params: dict, name: str, least: int, most: int, low: int, high: int) -> tuple[int, ...]:
+    values = params.get(name)
+    if not isinstance(values, list) or not least <= len(values) <= most:
+        raise HandleError(f"{name} must be a list of {least} to {most} integers")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise HandleError(f"{name} must hold integers from {low} to {high}")
+    return tuple(values)
+
+
+def produced_tokens(params: Any, fallback: int) -> int:
+    """`remote_num_tokens` of a handle, or `fallback` when it is not a usable count (the pull
+    then fails as a bad handle, under the failure policy)."""
+    value = params.get("remote_num_tokens") if isinstance(params, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
+        return fallback
+    return value
+
+
+def wants_remote_decode(params: Any) -> bool:
+    return isinstance(params, dict) and params.get(REMOTE_DECODE) is True
+
+
+def wants_remote_prefill(params: Any) -> bool:
+    return isinstance(params, dict) and params.get(REMOTE_PREFILL) is True

@@ -34,6 +34,9 @@ class ConnectorSettings:
     """Read the secret from this file at each connection (lets operators rotate it)."""
     send_rate_limit_bytes_per_s: float | None = None
     """Cap a producer's sending rate per transfer (None: as fast as the link goes)."""
+    peer_hosts: tuple[str, ...] | None = None
+    """Consumer: the hosts a handle may send it to pull from (None: any). A handle naming another
+    host fails its request as a bad handle."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -44,6 +47,8 @@ class ConnectorSettings:
             raise ValueError(
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
             )
+        if extra.get("peer_hosts") is not None:
+            extra["peer_hosts"] = tuple(str(host) for host in extra["peer_hosts"])
         settings = cls(**extra)
         if settings.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {settings.transport!r}")
@@ -56,7 +61,10 @@ class ConnectorSettings:
 
     def to_extra(self) -> dict[str, Any]:
         """The `kv_connector_extra_config` dict that gives back these settings."""
-        return {name: value for name, value in asdict(self).items() if value is not None}
+        extra = {name: value for name, value in asdict(self).items() if value is not None}
+        if "peer_hosts" in extra:
+            extra["peer_hosts"] = list(extra["peer_hosts"])
+        return extra
 
     def read_secret(self) -> bytes:
         if self.secret_file:

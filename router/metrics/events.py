@@ -62,9 +62,20 @@ class RouterMetrics:
             "Requests prefilled on a decode node because no prefill node was healthy.",
             registry=r,
         )
+        self.decode_fallbacks = Counter(
+            "pdserve_decode_fallbacks",
+            "Requests served whole by a prefill node because no decode node was healthy.",
+            registry=r,
+        )
         self.retries = Counter(
             "pdserve_request_retries",
             "Requests run again because a node of this pool failed under them (router/retry.py).",
+            ["pool"],
+            registry=r,
+        )
+        self.resumes = Counter(
+            "pdserve_stream_resumes",
+            "Streams continued on another node after a node of this pool failed mid-stream.",
             ["pool"],
             registry=r,
         )
@@ -75,6 +86,7 @@ class RouterMetrics:
         info.labels(mode=mode).set(1)
         for pool in pools:
             self.retries.labels(pool=pool)
+            self.resumes.labels(pool=pool)
         r.register(PoolCollector(pools, window_s))
 
     def watch(self, dispatcher: Any) -> None:
@@ -83,6 +95,7 @@ class RouterMetrics:
             pool.on_pick = lambda pool, node: self.routed.labels(pool=pool, node=node).inc()
         if hasattr(dispatcher, "on_fallback"):
             dispatcher.on_fallback = self.fallbacks.inc
+            dispatcher.on_degraded = self.decode_fallbacks.inc
 
 
 class RequestTimer:

@@ -1,18 +1,20 @@
 """Fake engine nodes for the router's tests: scripted `NodeClient`s with no Ray and no vLLM.
 
-A fake node "generates" deterministic tokens (100, 101, ...; text " t0", " t1", ...) and
-records every call and whether the router cancelled it. A KV-only prefill (the seam policy's
-first token on the decode node) returns token 999, which must never reach a client. Faults are
-scripted per node: `die_after` (the node dies after that many deltas of its next call),
-`kv_failure` (its decode reports a failed KV pull), `delay_s` (between deltas),
-`first_finishes` (its prefill's token ends the request).
+A fake node "generates" deterministic tokens: the token at absolute position p (prompt included)
+has id 96 + p and text " t{p}" — so after the default 4-token prompt, ids 100, 101, ... — on
+whichever node computes it, so a continuation elsewhere goes on with the same tokens. It records
+every call and whether the router cancelled it. A KV-only prefill (the seam policy's first token
+on the decode node) returns token 999, which must never reach a client. Faults are scripted per
+node: `die_after` (the node dies after that many deltas of its next call), `kv_failure` (its
+decode reports a failed KV pull), `delay_s` (between deltas), `first_finishes` (its prefill's
+token ends the request).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,29 +47,32 @@ class FakeNode(NodeClient):
     first_finishes: bool = False
     calls: list[Call] = field(default_factory=list)
     healthy: bool = True
+    """False: the actor is dead (calls fail with NodeFailed)."""
+    engine: bool = True
+    """False: the actor lives without an engine (its health check says so; `start` builds one)."""
+    starts: int = 0
 
-    def token(self, index: int) -> TokenDelta:
-        return TokenDelta([100 + index], f" t{index}")
+    def token(self, position: int) -> TokenDelta:
+        return TokenDelta([96 + position], f" t{position}")
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
         request_id, prompt, params, *rest = args
         call = Call(method, request_id, list(prompt), tuple(rest))
         self.calls.append(call)
+        start = len(prompt)
         if method == "prefill":
             sample_first = rest[0]
-            token = TokenDelta([100], " t0") if sample_first else TokenDelta([999], " kv-only")
-            plan = [token]
+            plan = [self.token(start) if sample_first else TokenDelta([999], " kv-only")]
         elif method == "decode":
-            first_tokens = rest[0]
-            plan = [self.token(i) for i in range(len(first_tokens), params.max_tokens)]
+            first = len(rest[0])
+            plan = [self.token(start + i) for i in range(first, params.max_tokens)]
         else:
-            plan = [self.token(i) for i in range(params.max_tokens)]
+            plan = [self.token(start + i) for i in range(params.max_tokens)]
         if plan:
             finish = "stop" if method == "prefill" and self.first_finishes else "length"
             handle = {"node": self.name, "request": request_id} if method == "prefill" else None
-            plan[-1] = TokenDelta(
-                plan[-1].token_ids, plan[-1].text, finish, None, len(prompt), handle
-            )
+            plan[-1] = TokenDelta(plan[-1].token_ids, plan[-1].text, finish, None, 0, handle)
+        plan = [replace(delta, num_prompt_tokens=len(prompt)) for delta in plan]
         try:
             for index, delta in enumerate(plan):
                 if self.die_after is not None and index >= self.die_after:
@@ -84,13 +89,14 @@ class FakeNode(NodeClient):
             call.cancelled = not call.finished
 
     async def start(self) -> NodeInfo:
-        self.healthy = True
-        return NodeInfo(self.name, 1, "ray-node", 2048, 128, 0.1)
+        self.healthy = self.engine = True
+        self.starts += 1
+        return NodeInfo(self.name, 1 + self.starts, "ray-node", 2048, 128, 0.1)
 
     async def check_health(self) -> bool:
         if not self.healthy:
             raise NodeFailed("ActorDiedError")
-        return True
+        return self.engine
 
     async def stats(self) -> NodeStats:
         return NodeStats(max_num_seqs=64)
@@ -109,7 +115,12 @@ def colocated(*fakes: FakeNode) -> Colocated:
     return Colocated(pool("colocated", *fakes))
 
 
-def sampling(**overrides: Any) -> SimpleNamespace:
+class FakeSampling(SimpleNamespace):
+    def clone(self) -> FakeSampling:
+        return FakeSampling(**vars(self))
+
+
+def sampling(**overrides: Any) -> FakeSampling:
     """A stand-in for vLLM's SamplingParams with the fields the router reads."""
     fields = dict(
         n=1,
@@ -125,7 +136,7 @@ def sampling(**overrides: Any) -> SimpleNamespace:
         logprobs=None,
         prompt_logprobs=None,
     )
-    return SimpleNamespace(**{**fields, **overrides})
+    return FakeSampling(**{**fields, **overrides})
 
 
 def prepared(

@@ -114,12 +114,58 @@ async def test_the_last_prefill_node_dying_falls_back_to_the_decode_node():
     assert [c.method for c in d.calls] == ["generate"]
 
 
-async def test_a_streamed_request_that_reached_the_client_is_not_retried():
-    p, d = FakeNode("p0"), FakeNode("d0", die_after=1)
-    retried = []
+async def test_a_cut_stream_continues_from_the_tokens_sent():
+    """The decode node dies after two tokens reached the client: the request continues as
+    prompt + those tokens (prefilled, handed over to the other decode node); the client sees
+    every token once, and usage counts the original prompt."""
+    p, d0, d1 = FakeNode("p0"), FakeNode("d0", die_after=1), FakeNode("d1")
+    resumed: list[NodeFailed] = []
+    out = []
+    async for delta in runs(
+        disaggregated([p], [d0, d1]),
+        prepared(max_tokens=6),
+        time.monotonic() + 30,
+        RetryPolicy(3),
+        print,
+        resumed.append,
+    ):
+        out.append(delta)
+    assert tokens(out) == [100, 101, 102, 103, 104, 105]
+    assert [e.pool for e in resumed] == ["decode"]
+    assert {d.num_prompt_tokens for d in out} == {4}
+    continuation = p.calls[1]
+    assert continuation.prompt == [1, 2, 3, 4, 100, 101]  # the tokens already sent
+    assert [c.method for c in d1.calls] == ["decode"]
+
+
+async def test_a_stateful_stream_cut_midway_ends_with_an_explicit_error():
+    """Its grammar / generator / penalty state cannot be rebuilt from token ids."""
+    p, d0, d1 = FakeNode("p0"), FakeNode("d0", die_after=1), FakeNode("d1")
     with pytest.raises(NodeFailed, match="decode node d0"):
-        await collect(disaggregated([p], [d]), prepared(max_tokens=5), retried=retried)
-    assert retried == []
+        await collect(disaggregated([p], [d0, d1]), prepared(max_tokens=5, stop=["x"]))
+    assert not d1.calls
+
+
+async def test_with_resume_off_a_cut_stream_ends_with_an_explicit_error():
+    p, d0, d1 = FakeNode("p0"), FakeNode("d0", die_after=1), FakeNode("d1")
+    policy = RetryPolicy(3, resume=False)
+    with pytest.raises(NodeFailed, match="decode node d0"):
+        await collect(disaggregated([p], [d0, d1]), prepared(max_tokens=5), policy)
+
+
+async def test_no_decode_node_left_a_prefill_node_serves_whole_requests():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    degraded = []
+    dispatcher.on_degraded = lambda: degraded.append(1)
+    dispatcher.decode.nodes[0].healthy = False
+    dispatcher.check_available()  # not a 503: the prefill pool can serve
+    got = await collect(dispatcher, prepared(max_tokens=3, stop=["x"]))
+    assert tokens(got) == [100, 101, 102] and [c.method for c in p.calls] == ["generate"]
+    assert degraded == [1]
+    dispatcher.prefill.nodes[0].healthy = False
+    with pytest.raises(PoolUnavailable, match="either pool"):
+        dispatcher.check_available()
 
 
 async def test_a_collected_request_starts_over_without_duplicates():
@@ -204,21 +250,21 @@ def outcome(svc: RouterService, kind: str) -> float:
 
 async def test_admission_holds_a_slot_per_request_and_always_gives_it_back():
     svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=3, stream=False))
-    first = svc.open("completion", {}, "http")
+    first = await svc.open("completion", {}, "http")
     with pytest.raises(Overloaded, match="retry later"):
-        svc.open("completion", {}, "http")
+        await svc.open("completion", {}, "http")
     assert outcome(svc, "rate_limit_exceeded") == 1
     got = await svc.collect(first)
     assert got.sequences[0].token_ids == [100, 101, 102] and svc.admission.outstanding == 0
     with pytest.raises(InvalidRequest):
-        svc.open("completion", {"bad": True}, "http")
+        await svc.open("completion", {"bad": True}, "http")
     assert outcome(svc, "invalid_request_error") == 1 and svc.admission.outstanding == 0
     assert outcome(svc, "success") == 1
 
 
 async def test_a_stream_abandoned_by_its_client_releases_its_slot_and_counts_as_cancelled():
     svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=10))
-    request = svc.open("completion", {}, "http")
+    request = await svc.open("completion", {}, "http")
     stream = svc.stream(request)
     await anext(stream)
     await stream.aclose()
@@ -232,7 +278,7 @@ async def test_a_stream_abandoned_by_its_client_releases_its_slot_and_counts_as_
 async def test_service_counts_retries_by_the_pool_whose_node_failed():
     dispatcher = disaggregated([FakeNode("p0", die_after=0), FakeNode("p1")], [FakeNode("d0")])
     svc = service(dispatcher, prepared(max_tokens=3, stream=False))
-    got = await svc.collect(svc.open("completion", {}, "http"))
+    got = await svc.collect(await svc.open("completion", {}, "http"))
     assert got.sequences[0].token_ids == [100, 101, 102]
     retries = svc.metrics.registry.get_sample_value(
         "pdserve_request_retries_total", {"pool": "prefill"}

@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from decode_node.kv_consumer import ConsumerScheduler
-from pdserve.kv.handle import KVHandle
+from pdserve.kv.handle import HandleError, KVHandle
 from pdserve.kv.settings import ConnectorSettings
 from prefill_node.kv_producer import ProducerScheduler
 
@@ -45,7 +47,7 @@ def test_producer_keeps_blocks_and_returns_a_handle():
     s = producer()
     done = request("p-1", 300, {"do_remote_decode": True})
     before = time.time()
-    keep, params = s.request_finished(done, [4, 5, 6], finished_normally=True)
+    keep, params = s.request_finished(done, [4, 5, 6], handed_over=True)
     assert keep is True
     handle = KVHandle.from_params(params)
     assert handle.request_id == "p-1" and handle.block_ids == (4, 5, 6)
@@ -60,8 +62,8 @@ def test_producer_frees_aborted_and_plain_requests_at_once():
     s = producer()
     aborted = request("p-2", 10, {"do_remote_decode": True})
     plain = request("p-3", 10, None)
-    assert s.request_finished(aborted, [1], finished_normally=False) == (False, None)
-    assert s.request_finished(plain, [1], finished_normally=True) == (False, None)
+    assert s.request_finished(aborted, [1], handed_over=False) == (False, None)
+    assert s.request_finished(plain, [1], handed_over=True) == (False, None)
     assert not s.take_offers()
 
 
@@ -115,3 +117,100 @@ def test_a_broken_handle_still_reaches_the_worker_as_a_failed_pull():
     assert s.get_num_new_matched_tokens(req, 0) == (100, True)
     s.update_state_after_alloc(req, Blocks([1], fresh=[1]), 100)
     assert s.take_pulls()["d-5"].remote_block_ids == []
+
+
+HOSTILE = [
+    ("remote_num_tokens", float("inf")),
+    ("remote_num_tokens", 1e400),
+    ("remote_num_tokens", "300"),
+    ("remote_num_tokens", True),
+    ("remote_num_tokens", -5),
+    ("remote_block_ids", [1, -2]),
+    ("remote_block_ids", list(range(2_000_000))),
+    ("remote_block_ids", "1,2,3"),
+    ("remote_ports", [0]),
+    ("remote_ports", [70000]),
+    ("remote_host", 5),
+    ("remote_host", "x" * 1000),
+    ("lease_deadline", float("nan")),
+    ("lease_deadline", "soon"),
+    ("lease_token", "not hex"),
+    ("remote_request_id", {"a": 1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), HOSTILE, ids=[f"{f}={str(v)[:12]}" for f, v in HOSTILE]
+)
+def test_a_hostile_handle_is_refused_with_a_reason(field, value):
+    params = {**handle_params([1, 2], 200), field: value}
+    with pytest.raises(HandleError):
+        KVHandle.from_params(params)
+
+
+def test_a_handle_for_an_unknown_host_is_refused():
+    params = handle_params([1], 100)
+    assert KVHandle.from_params(params, peer_hosts=("127.0.0.1",)).host == "127.0.0.1"
+    with pytest.raises(HandleError, match="not a KV server of this cluster"):
+        KVHandle.from_params({**params, "remote_host": "10.9.9.9"}, peer_hosts=("127.0.0.1",))
+
+
+@pytest.mark.parametrize(("field", "value"), HOSTILE[:5])
+def test_the_consumer_turns_a_hostile_handle_into_a_failed_pull(field, value):
+    """The scheduler hook never raises: the request waits for a pull that is reported failed,
+    and vLLM applies the failure policy."""
+    s = consumer()
+    req = request("d-9", 301, {**handle_params([1, 2, 3], 300), field: value})
+    matched, load_async = s.get_num_new_matched_tokens(req, 0)
+    assert load_async and matched == 301
+    s.update_state_after_alloc(req, Blocks([4, 5, 6], fresh=[4, 5, 6]), matched)
+    spec = s.take_pulls()["d-9"]
+    assert spec.remote_block_ids == []  # the worker fails it as bad_handle
+
+
+def test_an_aborted_request_gives_its_unpulled_handle_back():
+    s = consumer()
+    req = request("d-10", 129, handle_params([1, 2], 128))
+    s.request_finished(req)  # aborted before it was scheduled: nothing was pulled
+    pulls = s.take_pulls()
+    assert list(pulls) == ["release:d-10"] and pulls["release:d-10"].release_only
+
+
+class _Config(SimpleNamespace):
+    pass
+
+
+def _connector(role: str, kind):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdserve.kv.connector import PDServeConnector
+
+    kv = SimpleNamespace(kv_connector_extra_config={"secret": "x"}, kv_role=role, engine_id="e")
+    config = _Config(kv_transfer_config=kv)
+    return PDServeConnector(config, kind or KVConnectorRole.SCHEDULER, None)
+
+
+def test_the_connector_holds_the_halves_its_role_asks_for():
+    assert _connector("kv_producer", None).consumer is None
+    assert _connector("kv_consumer", None).producer is None
+    both = _connector("kv_both", None)
+    assert both.producer is not None and both.consumer is not None
+
+
+def test_no_scheduler_hook_raises_into_vllm():
+    connector = _connector("kv_consumer", None)
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    connector.consumer.get_num_new_matched_tokens = broken
+    connector.consumer.update_state_after_alloc = broken
+    req = request("d-11", 50, handle_params([1], 49))
+    req.status = None
+    assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
+    connector.update_state_after_alloc(req, Blocks([1], fresh=[1]), 49)
+    assert connector.consumer.take_pulls()["d-11"].remote_block_ids == []  # reported failed
+    # a consumer asked to act as producer ignores it
+    req = request("d-12", 50, {"do_remote_decode": True})
+    req.status = None
+    assert connector.request_finished(req, [1, 2]) == (False, None)

@@ -26,13 +26,15 @@ from tests.helpers.fake_nodes import FakeNode, disaggregated
 pytestmark = pytest.mark.asyncio(loop_scope="module")  # the servers' loop
 
 KEY = "test-key"
+LIMIT_BYTES = 64 << 10
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 2
 
 
 class Router:
-    def __init__(self, url: str, grpc_address: str, service: RouterService, nodes: dict) -> None:
+    def __init__(self, url, grpc_address, service: RouterService, nodes: dict, health) -> None:
         self.url, self.grpc, self.service, self.nodes = url, grpc_address, service, nodes
+        self.health = health
 
     def reset(self) -> None:
         for fake in self.nodes.values():
@@ -54,7 +56,8 @@ async def router(default_model_dir):
     metrics.watch(dispatcher)
     frontend = Frontend(str(default_model_dir), "smol", 2048)
     service = RouterService(frontend, dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
-    config = uvicorn.Config(create_app(service, KEY), host="127.0.0.1", port=0, log_level="error")
+    app = create_app(service, KEY, LIMIT_BYTES)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 30
@@ -62,8 +65,8 @@ async def router(default_model_dir):
         assert time.monotonic() < deadline and not task.done(), "uvicorn did not start"
         await asyncio.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    grpc_server, grpc_port, _ = await create_server(service, "127.0.0.1:0", KEY)
-    yield Router(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", service, nodes)
+    grpc_server, grpc_port, health = await create_server(service, "127.0.0.1:0", KEY)
+    yield Router(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", service, nodes, health)
     await grpc_server.stop(grace=1)
     server.should_exit = True
     await task
@@ -81,10 +84,15 @@ def events(text: str) -> list[str]:
     return [line.removeprefix("data: ") for line in text.splitlines() if line]
 
 
+def fake_text(prompt_tokens: int, count: int) -> str:
+    """What the fake nodes generate after a prompt of `prompt_tokens` (tests/helpers)."""
+    return "".join(f" t{p}" for p in range(prompt_tokens, prompt_tokens + count))
+
+
 async def test_completion_whole_and_streamed(http, router):
     body = {"prompt": "Hello there", "max_tokens": 4}
     whole = (await http.post("/v1/completions", json=body)).json()
-    assert whole["choices"][0]["text"] == " t0 t1 t2 t3"
+    assert whole["choices"][0]["text"] == fake_text(2, 4)
     assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
     assert whole["choices"][0]["finish_reason"] == "length" and whole["model"] == "smol"
     body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -93,7 +101,7 @@ async def test_completion_whole_and_streamed(http, router):
     got = events(response.text)
     assert got[-1] == "[DONE]"
     chunks = [json.loads(e) for e in got[:-1]]
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " t0 t1 t2 t3"
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == fake_text(2, 4)
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     assert [c.method for c in router.nodes["p0"].calls] == ["prefill", "prefill"]
 
@@ -105,7 +113,9 @@ async def test_chat_first_chunk_names_the_role(http):
         for e in events((await http.post("/v1/chat/completions", json=body)).text)[:-1]
     ]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " t0 t1 t2"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    whole = await http.post("/v1/chat/completions", json={**body, "stream": False})
+    assert text == fake_text(whole.json()["usage"]["prompt_tokens"], 3)
 
 
 @pytest.mark.parametrize(
@@ -132,21 +142,28 @@ async def test_missing_key_and_bad_json(router, http):
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
 
 
-async def test_a_decode_death_after_the_first_token_is_an_error_event_then_done(http, router):
+async def test_a_decode_death_mid_stream_is_invisible_or_an_error_event_then_done(http, router):
+    """Resumed where sampling keeps no state (here on the prefill node: the only decode node is
+    gone); otherwise an error event naming the pool, then [DONE]."""
     router.nodes["d0"].die_after = 1
-    body = {"prompt": "hi", "max_tokens": 6, "stream": True}
+    body = {"prompt": "Hello there", "max_tokens": 6, "stream": True}
     got = events((await http.post("/v1/completions", json=body)).text)
+    assert got[-1] == "[DONE]" and not any('"error"' in e for e in got)
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in got[:-1])
+    assert text == fake_text(2, 6)
+    router.reset()
+    router.nodes["d0"].die_after = 1
+    got = events((await http.post("/v1/completions", json={**body, "stop": ["x"]})).text)
     assert got[-1] == "[DONE]"
     error = json.loads(got[-2])["error"]
     assert error["type"] == "engine_error" and "decode node d0" in error["message"]
-    assert json.loads(got[0])["choices"][0]["text"] == " t0"
 
 
 async def test_no_node_left_is_503_and_a_full_router_429(http, router):
     for pool in router.service.dispatcher.pools.values():
         pool.nodes[0].healthy = False
     down = await http.post("/v1/completions", json={"prompt": "hi"})
-    assert down.status_code == 503 and "decode" in down.json()["error"]["message"]
+    assert down.status_code == 503 and "either pool" in down.json()["error"]["message"]
     assert (await http.get("/health")).status_code == 503
     router.reset()
     router.nodes["d0"].delay_s = 0.2
@@ -174,7 +191,7 @@ async def test_grpc_streams_and_maps_errors(router):
         auth = (("authorization", f"Bearer {KEY}"),)
         router.reset()
         replies = [r async for r in stub.Generate(request, metadata=auth)]
-        assert "".join(r.text for r in replies) == " t0 t1 t2"
+        assert "".join(r.text for r in replies) == fake_text(1, 3)
         assert replies[-1].finish_reason == "length" and replies[-1].usage.completion_tokens == 3
         bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=0))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -186,3 +203,65 @@ async def test_grpc_streams_and_maps_errors(router):
         assert failed.value.code() == grpc.StatusCode.INTERNAL
         assert "KV transfer failed" in failed.value.details()
     assert router.service.admission.outstanding == 0
+
+
+async def test_hostile_bodies_get_4xx_and_the_router_keeps_serving(http, router):
+    big = await http.post("/v1/completions", content=b"x" * (LIMIT_BYTES + 1))
+    assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    deep = await http.post("/v1/completions", content=nested[: LIMIT_BYTES - 10] + b"}")
+    assert deep.status_code in (400, 413)
+    nested = b"[" * 30_000 + b"]" * 30_000
+    assert (await http.post("/v1/completions", content=nested)).status_code == 400
+    ok = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+async def test_metrics_and_detailed_health_need_the_key(router, http):
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as anonymous:
+        assert (await anonymous.get("/metrics")).status_code == 401
+        bare = await anonymous.get("/health")
+        assert bare.status_code == 200 and bare.json() == {"status": "ok"}
+    detailed = (await http.get("/health")).json()
+    assert set(detailed["pools"]) == {"prefill", "decode"}
+    assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_grpc_health_follows_the_pools(router):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from router.grpc_api import follow_pools
+
+    follower = asyncio.create_task(follow_pools(router.health, router.service.dispatcher))
+    try:
+        async with grpc.aio.insecure_channel(router.grpc) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            async def status():
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+                return reply.status
+
+            for pool in router.service.dispatcher.pools.values():
+                pool.nodes[0].healthy = False
+            deadline = time.monotonic() + 10
+            while await status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            router.reset()
+            while await status() != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+    finally:
+        follower.cancel()
+
+
+async def test_a_non_streamed_request_whose_client_leaves_is_cancelled(router, http):
+    router.nodes["d0"].delay_s = 0.2
+    body = {"prompt": "hi", "max_tokens": 40}
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while router.service.admission.outstanding and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert router.service.admission.outstanding == 0
+    assert router.nodes["d0"].calls and router.nodes["d0"].calls[-1].cancelled
