@@ -104,7 +104,7 @@ def pdserve_pull(client, port: int, num_blocks: int, max_blocks: int, rng) -> fl
         deadline,
         "bench",
         "tcp",
-        lease_token(SECRET, rid, remote, deadline, 1),
+        lease_token(SECRET, "", rid, remote, deadline, 1),
     )
     started = time.perf_counter()
     client.pull(handle, remote, local, 0, time.monotonic() + 60)

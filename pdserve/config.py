@@ -6,6 +6,7 @@ A bad file fails with a message naming the field and the reason (`load_config`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -97,8 +98,10 @@ class RouterConfig(_Strict):
     """Address the HTTP and gRPC servers bind to. Loopback unless told otherwise."""
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(50051, ge=0, le=65535)
-    api_key: str | None = None
-    """If set, clients must send `Authorization: Bearer <key>` (HTTP) or the same gRPC metadata."""
+    api_key: str | None = Field(default_factory=lambda: os.environ.get("PDSERVE_API_KEY") or None)
+    """If set, clients must send `Authorization: Bearer <key>` (HTTP) or the same gRPC metadata,
+    for /metrics and the detailed /health too. Default: $PDSERVE_API_KEY (keep keys out of
+    config files). A non-loopback `host` needs one (or `pdserve serve --insecure`)."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Deadline for one request, from arrival to its last token."""
     max_outstanding_requests: int = Field(256, gt=0)
@@ -170,7 +173,7 @@ class PDServeConfig(_Strict):
     """`colocated`: each engine does prefill and decode. `disaggregated`: separate pools."""
     engine: EngineConfig = EngineConfig()
     pools: PoolsConfig = PoolsConfig()
-    router: RouterConfig = RouterConfig()
+    router: RouterConfig = Field(default_factory=RouterConfig)
     kv_transfer: KVTransferConfig = KVTransferConfig()
     ray: RayConfig = RayConfig()
 

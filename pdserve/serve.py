@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import signal
 import time
@@ -53,6 +54,12 @@ def _init_ray(config: PDServeConfig) -> bool:
         ray.init(address=config.ray.address, logging_level=logging.WARNING)
         logger.info("joined Ray cluster at %s", config.ray.address)
         return False
+    if os.environ.get("RAY_AUTH_MODE") == "disabled":
+        logger.warning(
+            "Ray's token authentication is off (RAY_AUTH_MODE=disabled): Ray listens on this "
+            "host's address (Ray 2.60 has no loopback-only mode), so anyone who reaches its "
+            "ports can run code in this cluster"
+        )
     pools = config.pools
     resources = {
         "prefill_pool": float(max(1, pools.prefill.replicas)),

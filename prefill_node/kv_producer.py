@@ -73,7 +73,12 @@ class ProducerScheduler:
             engine_id=self.engine_id,
             transport=self.settings.transport,
             lease_token=lease_token(
-                self.settings.read_secret(), request.request_id, list(block_ids), deadline, readers
+                self.settings.read_secret(),
+                self.engine_id,
+                request.request_id,
+                list(block_ids),
+                deadline,
+                readers,
             ),
             readers=readers,
         )
@@ -87,12 +92,19 @@ class ProducerScheduler:
 
 class ProducerWorker:
     def __init__(
-        self, settings: ConnectorSettings, plane: DataPlane, stats: TransferStats, tp_rank: int
+        self,
+        settings: ConnectorSettings,
+        plane: DataPlane,
+        stats: TransferStats,
+        tp_rank: int,
+        engine_id: str = "",
     ) -> None:
         self.table = ProducerTable()
         self.stats = stats
         port = settings.port + tp_rank if settings.port else 0
-        self.server = KVServer(plane, self.table, settings.read_secret, stats, settings.host, port)
+        self.server = KVServer(
+            plane, self.table, settings.read_secret, stats, settings.host, port, engine_id
+        )
         self.server.start()
         self._expired_reported = 0
 

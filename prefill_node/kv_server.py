@@ -8,7 +8,9 @@ One connection serves one pull, in the order of proto/pdserve/v1/kv_transfer.pro
    arrives before the worker heard of the request carries the scheduler's signed lease.
 4. PullReply with the byte count, then the bytes through the data plane (TCP or NCCL), then the
    consumer's PullDone: only a completed pull lets the blocks go.
-Every connection holds one of `MAX_CONNECTIONS` slots; every read has `CONTROL_TIMEOUT_S`.
+Every connection holds one of `MAX_CONNECTIONS` slots and has deadlines: `AUTH_DEADLINE_S` to
+prove the secret (reading nothing larger than an answer needs), `CONTROL_DEADLINE_S` for the
+whole conversation before the bytes; a peer that sends slowly loses its slot.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pdserve.kv.layout import mismatch
 from pdserve.kv.stats import TransferStats
 from pdserve.kv.transport.plane import DataPlane
 from pdserve.kv.wire import (
+    MAX_AUTH_BYTES,
     PROTOCOL_VERSION,
     ProtocolError,
     layout_from_pb,
@@ -41,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 CLAIM_WAIT_S = 5.0
 """How long a pull may wait for the producer's worker to learn of the request it asks for."""
-CONTROL_TIMEOUT_S = 10.0
+AUTH_DEADLINE_S = 3.0
+CONTROL_DEADLINE_S = 10.0
 SEND_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 64
 
@@ -50,6 +54,14 @@ _REFUSAL = {
     "lease_expired": pb.PullReply.LEASE_EXPIRED,
     "bad_blocks": pb.PullReply.BAD_BLOCKS,
 }
+
+
+def _within(conn: socket.socket, deadline: float) -> None:
+    """The socket's timeout: what is left until `deadline` (a slow peer runs out of it)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the peer took too long")
+    conn.settimeout(left)
 
 
 class KVServer:
@@ -61,8 +73,12 @@ class KVServer:
         stats: TransferStats,
         host: str = "127.0.0.1",
         port: int = 0,
+        engine_id: str = "",
     ) -> None:
         self.plane, self.table, self.stats = plane, table, stats
+        self.engine_id = engine_id
+        """The producer engine's id: leases signed for another engine (or an earlier start of
+        this one) are not honoured."""
         self._secret = secret
         self.host, self.port = host, port
         self._server: socket.socket | None = None
@@ -112,9 +128,12 @@ class KVServer:
         with self._active_lock:
             self._active.add(conn)
         try:
-            conn.settimeout(CONTROL_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._authenticate_peer(conn)
+            started = time.monotonic()
+            _within(conn, started + AUTH_DEADLINE_S)
+            self._authenticate_peer(conn, started + AUTH_DEADLINE_S)
+            deadline = started + CONTROL_DEADLINE_S
+            _within(conn, deadline)
             handshake = recv_message(conn, pb.Handshake)
             problem = mismatch(self.plane.layout, layout_from_pb(handshake.layout))
             send_message(conn, pb.HandshakeResult(ok=problem is None, message=problem or ""))
@@ -125,6 +144,7 @@ class KVServer:
                 "nccl_pair_key": handshake.nccl_pair_key,
             }
             link = self.plane.producer_link(pairing)
+            _within(conn, deadline)
             self._serve_pull(conn, recv_message(conn, pb.PullRequest), link)
         except (ProtocolError, ConnectionError, TimeoutError, OSError) as error:
             logger.warning("KV server: closed connection from %s: %s", peer, error)
@@ -134,10 +154,11 @@ class KVServer:
             conn.close()
             self._slots.release()
 
-    def _authenticate_peer(self, conn: socket.socket) -> None:
+    def _authenticate_peer(self, conn: socket.socket, deadline: float) -> None:
         nonce = new_nonce()
         send_message(conn, pb.Challenge(protocol_version=PROTOCOL_VERSION, nonce=nonce))
-        answer = recv_message(conn, pb.AuthResponse)
+        _within(conn, deadline)
+        answer = recv_message(conn, pb.AuthResponse, MAX_AUTH_BYTES)
         secret = self._secret()
         if not verify(proof(secret, b"consumer", nonce, answer.nonce), answer.mac):
             send_message(conn, pb.AuthResult(ok=False, message="authentication failed"))
@@ -150,7 +171,12 @@ class KVServer:
         held = list(request.held_block_ids)
         readers = max(1, request.lease_readers)
         token = lease_token(
-            self._secret(), request.request_id, held, request.lease_deadline, readers
+            self._secret(),
+            self.engine_id,
+            request.request_id,
+            held,
+            request.lease_deadline,
+            readers,
         )
         signed = verify(token, request.lease_token)
         grant = (held, request.lease_deadline, readers) if signed else None

@@ -10,7 +10,9 @@ Life of an offer (producer worker process):
    being read never expires under the reader (no block is freed while it is read).
 A pull may outrun step 1 (the worker hears of an offer one engine step after the handle left):
 it then carries the scheduler's signed lease (`grant`), which stands in for the offer; the
-notice that comes later for a request already settled is ignored.
+notice that comes later for a request already settled is ignored. A settled request is
+remembered until its lease's deadline has passed, so no replayed lease can revive it (after
+the deadline the lease itself is refused).
 `collect_done` hands the finished request ids to vLLM (`finished_sending`), which frees the blocks.
 """
 
@@ -19,6 +21,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+
+SETTLED_GRACE_S = 60.0
+"""How long past its deadline a settled request is remembered (a late pull hears "expired")."""
 
 
 class ClaimError(Exception):
@@ -47,7 +52,8 @@ class ProducerTable:
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
         self._offers: dict[str, _Offer] = {}
-        self._settled: dict[str, bool] = {}  # request id -> expired (bounded, oldest dropped)
+        self._settled: dict[str, tuple[bool, float]] = {}
+        """Request id -> (its lease expired, its deadline), kept until past the deadline."""
         self._cond = threading.Condition()
         self.leases_expired = 0
 
@@ -75,8 +81,8 @@ class ProducerTable:
                 blocks, deadline, readers = grant
                 self._offers.setdefault(request_id, _Offer(tuple(blocks), deadline, readers))
             while request_id not in self._offers:
-                if self._settled.get(request_id):
-                    raise ClaimError("lease_expired", f"lease of {request_id} expired")
+                if request_id in self._settled:
+                    raise ClaimError("lease_expired", f"lease of {request_id} has ended")
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise ClaimError("unknown_request", f"no KV held for request {request_id}")
@@ -109,11 +115,12 @@ class ProducerTable:
                 if offer.reading == 0 and (offer.done or now > offer.deadline)
             }
             for rid in done:
-                expired = not self._offers.pop(rid).done
-                self.leases_expired += expired
-                self._settled[rid] = expired
-            while len(self._settled) > 10_000:
-                self._settled.pop(next(iter(self._settled)))
+                offer = self._offers.pop(rid)
+                self.leases_expired += not offer.done
+                self._settled[rid] = (not offer.done, offer.deadline)
+            stale = now - SETTLED_GRACE_S
+            for rid in [r for r, (_, deadline) in self._settled.items() if deadline < stale]:
+                del self._settled[rid]
             return done
 
     def blocks_held(self) -> int:

@@ -69,13 +69,19 @@ def _check_auth(api_key: str | None, request: Request) -> None:
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
 
 
-async def _sse(service: RouterService, request: Admitted) -> AsyncIterator[str]:
+async def _sse(
+    service: RouterService, request: Admitted, deltas: AsyncIterator, first: Any
+) -> AsyncIterator[str]:
+    """The events of a stream whose first delta (`first`, None when there was none) already
+    came: the response's status was decided by it."""
     prepared = request.prepared
     shaper = StreamShaper(service.frontend.served_name, prepared, service.frontend.tokenizer)
     try:
         for chunk in shaper.opening():
             yield chunk
-        async with aclosing(service.stream(request)) as deltas:
+        async with aclosing(deltas):
+            if first is not None:
+                yield shaper.chunk(first)
             async for delta in deltas:
                 yield shaper.chunk(delta)
         for chunk in shaper.closing(len(prepared.prompt_token_ids)):
@@ -182,7 +188,18 @@ def create_app(
             (time.monotonic() - started) * 1e3,
         )
         if prepared.stream:
-            return StreamingResponse(_sse(service, admitted), media_type="text/event-stream")
+            # wait for the first token before answering: a request the engine refuses (or that
+            # no node can serve) gets its status code, as from vLLM's own server, not an event
+            deltas = service.stream(admitted)
+            try:
+                first = await anext(deltas)
+            except StopAsyncIteration:
+                first = None
+            except BaseException:
+                await deltas.aclose()
+                raise
+            stream = _sse(service, admitted, deltas, first)
+            return StreamingResponse(stream, media_type="text/event-stream")
         collecting = asyncio.ensure_future(service.collect(admitted))
         while not collecting.done():  # a client that leaves cancels its request
             await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)

@@ -204,7 +204,8 @@ class PDServeConnector(KVConnectorBase_V1):
         self._stats = TransferStats()
         self._tp_rank = tp_rank
         if "producer" in self._halves:
-            self.producer = _half("producer", 1)(settings, plane, self._stats, tp_rank)
+            engine_id = vllm_config.kv_transfer_config.engine_id or ""
+            self.producer = _half("producer", 1)(settings, plane, self._stats, tp_rank, engine_id)
         if "consumer" in self._halves:
             self.consumer = _half("consumer", 1)(settings, plane, self._stats, tp_rank)
         logger.info(

@@ -105,7 +105,7 @@ class KVHandle:
 
 
 MAX_HOST, MAX_ID, MAX_TOKEN_BYTES = 255, 512, 64
-MAX_RANKS, MAX_BLOCKS, MAX_INT = 64, 1 << 20, (1 << 31) - 1
+MAX_RANKS, MAX_BLOCKS, MAX_INT = 64, 1 << 16, (1 << 31) - 1
 
 
 def _text(params: dict, name: str, limit: int, required: bool = True) -> str:

@@ -22,8 +22,10 @@ from google.protobuf.message import DecodeError, Message
 from pdserve.kv.layout import KVLayout
 from pdserve_proto.v1 import kv_transfer_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20
+MAX_AUTH_BYTES = 256
+"""Authentication messages are two 32-byte fields: nothing larger is read from an unknown peer."""
 NONCE_BYTES = 32
 _LENGTH = struct.Struct(">I")
 _CONTEXT = b"pdserve-kv-v1"
@@ -55,12 +57,16 @@ def send_message(sock: socket.socket, message: Message) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def recv_message(sock: socket.socket, message_type: type[Message]) -> Message:
+def recv_message(
+    sock: socket.socket, message_type: type[Message], max_bytes: int = MAX_MESSAGE_BYTES
+) -> Message:
+    """One framed message; a length over `max_bytes` is refused before anything is allocated
+    (messages that come before authentication are allowed only a few hundred bytes)."""
     header = bytearray(_LENGTH.size)
     recv_exact_into(sock, memoryview(header))
     (length,) = _LENGTH.unpack(header)
-    if length > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"control message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if length > max_bytes:
+        raise ProtocolError(f"control message of {length} bytes exceeds {max_bytes}")
     payload = bytearray(length)
     recv_exact_into(sock, memoryview(payload))
     message = message_type()
@@ -82,11 +88,18 @@ def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
 
 
 def lease_token(
-    secret: bytes, request_id: str, block_ids: list[int], deadline: float, readers: int
+    secret: bytes,
+    engine_id: str,
+    request_id: str,
+    block_ids: list[int],
+    deadline: float,
+    readers: int,
 ) -> bytes:
-    """The producer scheduler's signature on a lease: request, blocks held, deadline, and how
-    many completed pulls it allows."""
-    body = f"{request_id}|{','.join(map(str, block_ids))}|{deadline!r}|{readers}".encode()
+    """The producer scheduler's signature on a lease: the engine that holds it (vLLM draws a new
+    id at every engine start, so a lease outlives no restart), request, blocks held, deadline,
+    and how many completed pulls it allows."""
+    blocks = ",".join(map(str, block_ids))
+    body = f"{engine_id}|{request_id}|{blocks}|{deadline!r}|{readers}".encode()
     return hmac.new(secret, _CONTEXT + b"lease" + body, hashlib.sha256).digest()
 
 

@@ -186,6 +186,26 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
     ("/v1/chat/completions", {"model": "x", "messages": CHAT}, None, 404, "does not exist"),
+    # checked by vLLM inside the engine: a 400 with its message, as from vLLM's own server
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, None, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, None, 400, "stop_token_ids"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream": True, "stop_token_ids": [10**9]},
+        None,
+        400,
+        "stop_token_ids",
+    ),
+    # engine-internal fields never reach an engine
+    (
+        "/v1/completions",
+        None,
+        b'{"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": true, '
+        b'"remote_num_tokens": 1e400}}',
+        400,
+        "kv_transfer_params",
+    ),
+    ("/v1/completions", {"prompt": "hi", "vllm_xargs": {"a": 1}}, None, 400, "vllm_xargs"),
 ]
 
 

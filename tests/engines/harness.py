@@ -72,7 +72,8 @@ def producer(**extra: Any) -> tuple[type, dict]:
 
 
 def consumer(policy: str = "recompute", **extra: Any) -> tuple[type, dict]:
-    settings = ConnectorSettings(**{"secret": SECRET, **extra})  # a secret_file wins over it
+    """A decode node pulling only from this machine's KV servers (as pdserve configures it)."""
+    settings = ConnectorSettings(**{"secret": SECRET, "peer_hosts": ("127.0.0.1",), **extra})
     return DecodeNode, vllm_kv_transfer_config("kv_consumer", settings, policy)
 
 

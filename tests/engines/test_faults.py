@@ -191,3 +191,54 @@ async def test_producer_killed_mid_transfer(engines, corpus):
     assert result.tokens == expected
     assert time.monotonic() - started < TIMEOUT_S + 60
     assert await failures(engines["d"], "connection_reset") == before + 1
+
+
+HOSTILE_HANDLES = {
+    "infinite token count": {"remote_num_tokens": float("inf")},
+    "token count as text": {"remote_num_tokens": "300"},
+    "a host outside the cluster": {"remote_host": "10.255.255.1"},
+    "negative block ids": {"remote_block_ids": [-1, -2]},
+    "a million blocks": {"remote_block_ids": list(range(1_000_000))},
+    "no lease deadline": {"lease_deadline": None},
+}
+
+
+async def test_hostile_handles_fail_one_request_never_an_engine(engines, corpus):
+    """Handles no producer would write reach the consumer's connector: each fails its request
+    under the policy (recompute: the right tokens anyway; fail: KVLoadFailed bad_handle), and
+    both engines keep serving."""
+    prompt = corpus[500:800]
+    expected = await plain(engines["p"], prompt)
+    for name, change in HOSTILE_HANDLES.items():
+        before = await failures(engines["d"], "bad_handle")
+        result = await disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS, _set(change))
+        assert result.tokens == expected, name
+        assert await failures(engines["d"], "bad_handle") == before + 1, name
+        with pytest.raises(KVLoadFailed) as failed:
+            await disaggregated(engines["p"], engines["d_fail"], prompt, MAX_TOKENS, _set(change))
+        assert failed.value.reason == "bad_handle", name
+    for name in ("p", "d", "d_fail"):
+        assert await engines[name].check_health.remote(), f"engine {name} died"
+    await assert_producer_drains(engines["p"])
+
+
+async def test_a_decode_node_asked_to_act_as_producer_serves_the_request_as_itself(engines, corpus):
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True, "remote_readers": 3}},
+    )
+    prompt = corpus[900:1000]
+    got = tokens(await generate(engines["d"], prompt, params, rid("as-producer")))
+    assert got == await plain(engines["d"], prompt)
+    assert await engines["d"].check_health.remote()
+
+
+def _set(change: dict):
+    def mutate(handle: dict) -> None:
+        handle.update(change)
+
+    return mutate

@@ -82,3 +82,15 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path, capsys):
     assert main(["serve", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "router.http_port" in err and "greater than or equal to 0" in err
+
+
+def test_the_api_key_comes_from_the_environment_and_a_public_bind_needs_one(monkeypatch, capsys):
+    from pdserve.cli import main
+    from pdserve.config import PDServeConfig
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    assert PDServeConfig().router.api_key == "from-env"
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    assert PDServeConfig().router.api_key is None
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "without an API key" in capsys.readouterr().err

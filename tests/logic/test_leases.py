@@ -95,3 +95,22 @@ def test_an_offer_for_n_readers_frees_after_the_nth_completed_read():
     table.claim("r", [2], wait_s=0)
     table.release("r", completed=True)
     assert table.collect_done() == {"r"} and table.leases_expired == 0
+
+
+def test_a_settled_request_cannot_be_revived_by_a_replayed_lease():
+    """A lease replayed after its request settled (blocks freed, maybe reused) is refused,
+    however many requests settled since; after its deadline it is refused as expired."""
+    clock = Clock()
+    table = ProducerTable(clock=clock)
+    table.offer("r", [1, 2], deadline=1010)
+    table.claim("r", [1, 2], wait_s=0)
+    table.release("r", completed=True)
+    assert table.collect_done() == {"r"}
+    for i in range(20_000):  # many others settle
+        table.offer(f"o{i}", [9], deadline=1010)
+        table.claim(f"o{i}", [9], wait_s=0)
+        table.release(f"o{i}", completed=True)
+    table.collect_done()
+    with pytest.raises(ClaimError) as replayed:
+        table.claim("r", [1, 2], wait_s=0, grant=([1, 2], 1010, 1))
+    assert replayed.value.reason == "lease_expired" and table.blocks_held() == 0

@@ -155,3 +155,19 @@ def test_kuberay_cluster_has_a_worker_group_per_pool():
         cpus = float(container["resources"]["limits"]["cpu"])
         resources = {**_ray_resources(group["rayStartParams"]), "GPU": gpus, "CPU": cpus}
         _check_host(pool, config, resources, group["minReplicas"])
+
+
+def test_cluster_files_turn_on_ray_auth_keep_the_dashboard_local_and_ship_no_key():
+    launcher = yaml.safe_load((REPO / "deploy/ray/pdserve-cluster.yaml").read_text())
+    starts = launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token" in command for command in starts)
+    assert "--dashboard-host=127.0.0.1" in launcher["head_start_ray_commands"][0]
+    documents = list(yaml.safe_load_all((REPO / "deploy/kuberay/raycluster.yaml").read_text()))
+    ray_cluster = next(d for d in documents if d["kind"] == "RayCluster")
+    assert ray_cluster["spec"]["authOptions"] == {"mode": "token"}
+    assert ray_cluster["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for path in (REPO / "deploy/config").glob("*.yaml"):
+        config = yaml.safe_load(path.read_text()) or {}
+        assert not (config.get("router") or {}).get("api_key"), f"{path.name} ships an API key"
+    config_map = next(d for d in documents if d["kind"] == "ConfigMap")
+    assert "api_key" not in config_map["data"]["pdserve.yaml"]

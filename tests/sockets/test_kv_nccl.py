@@ -143,3 +143,26 @@ def test_two_rank_nccl_transfer_moves_exact_blocks():
         p.join(timeout=60)
     for name, sent in got["producer"].items():
         assert torch.equal(sent, got["consumer"][name])
+
+
+def test_a_stalled_pair_is_aborted_and_paired_afresh():
+    """The watchdog's half that needs no GPU: a wait that outlives its deadline raises, and an
+    aborted pair is forgotten on both sides (the next contact sends a new id)."""
+    from pdserve.kv.transport.nccl import wait_until
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        wait_until(lambda: False, time.monotonic() + 0.2)
+    assert time.monotonic() - started < 2
+    wait_until(lambda: True, time.monotonic())
+
+    library = RecordingNccl()
+    library.aborted = []
+    library.ncclCommAbort = library.aborted.append
+    consumer = Pairing(library)
+    peer = ("h", 1)
+    link = consumer.consumer_link(peer, consumer.consumer_fields(peer))
+    assert "nccl_pair_key" in consumer.consumer_fields(peer)
+    consumer.abort(link)
+    assert library.aborted == [link.comm]
+    assert "nccl_unique_id" in consumer.consumer_fields(peer)

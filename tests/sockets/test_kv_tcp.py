@@ -251,7 +251,7 @@ def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatc
         deadline,
         "e",
         "tcp",
-        lease_token(b"secret", "early", [4, 5], deadline, 1),
+        lease_token(b"secret", "", "early", [4, 5], deadline, 1),
     )
     client.pull(signed, [5], [1], 0, time.monotonic() + 10)  # no offer yet: the lease stands in
     for name in src:
@@ -268,8 +268,58 @@ def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatc
         deadline,
         "e",
         "tcp",
-        lease_token(b"guess", "forged", [4, 5], deadline, 1),
+        lease_token(b"guess", "", "forged", [4, 5], deadline, 1),
     )
     with pytest.raises(TransferError) as failed:
         client.pull(forged, [5], [1], 0, time.monotonic() + 10)
     assert failed.value.reason == "unknown_request"
+
+
+def test_a_peer_that_never_proves_itself_loses_its_slot(producer, monkeypatch):
+    """Slow-loris on the handshake: the server hangs up at the auth deadline, whatever the
+    per-read timeouts."""
+    monkeypatch.setattr(kv_server, "AUTH_DEADLINE_S", 1.0)
+    _, _, _, port = producer
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.settimeout(10)
+        raw.recv(4096)  # the challenge
+        started = time.monotonic()
+        raw.sendall(struct.pack(">I", 40))  # a length, then silence
+        assert raw.recv(4096) == b""  # closed on us
+        assert time.monotonic() - started < 5
+
+
+def test_an_oversized_frame_before_authentication_is_refused_unread(producer):
+    _, _, _, port = producer
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.settimeout(10)
+        raw.recv(4096)
+        raw.sendall(struct.pack(">I", 1 << 20))  # 1 MiB "answer": never allocated
+        try:
+            assert raw.recv(4096) == b""
+        except ConnectionResetError:
+            pass
+
+
+def test_a_lease_signed_for_another_engine_start_is_not_honoured(monkeypatch):
+    """Lease tokens bind the producer engine's id (new at every start): a token replayed
+    against a restarted producer on the same port serves nothing."""
+    from pdserve.kv.wire import lease_token
+
+    monkeypatch.setattr(kv_server, "CLAIM_WAIT_S", 0.2)
+    kv = caches(fill=True)
+    server = KVServer(
+        TcpPlane(layout(kv), kv), ProducerTable(), lambda: b"secret", TransferStats(),
+        engine_id="engine-after-restart",
+    )  # fmt: skip
+    port = server.start()
+    try:
+        _, client = consumer()
+        deadline = time.time() + 30
+        token = lease_token(b"secret", "engine-before-restart", "old", [4, 5], deadline, 1)
+        old = KVHandle("127.0.0.1", (port,), "old", (4, 5), 200, deadline, "e", "tcp", token)
+        with pytest.raises(TransferError) as refused:
+            client.pull(old, [5], [1], 0, time.monotonic() + 10)
+        assert refused.value.reason == "unknown_request"
+    finally:
+        server.close()

@@ -6,22 +6,33 @@ rank 1) and keep the communicator, named by a pair key (SHA-256 of the id), for 
 pull at a time uses a communicator (a lock on each side), so sends and receives pair up in order.
 Only imported when `transport: nccl` is chosen; needs CUDA caches and libnccl (through vLLM's
 NCCL wrapper).
+
+Watchdog: NCCL operations never time out by themselves, and a peer that died leaves them waiting
+forever (holding the pair's lock, so every later pull between the two waits too). Each transfer
+therefore waits for its CUDA event under the pull's deadline; past it, the pair's communicator
+is aborted and forgotten (the next pull pairs afresh), and the pull fails as a timeout, which the
+decode node's failure policy handles.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.kv.transport.plane import DataPlane
 from pdserve.kv.wire import ProtocolError, TransferError
 
+logger = logging.getLogger(__name__)
+
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
 UNIQUE_ID_BYTES = 128
+POLL_S = 0.0005
 
 
 def pair_key(unique_id: bytes) -> bytes:
@@ -34,6 +45,7 @@ class Link:
 
     comm: Any
     peer_rank: int
+    key: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -80,14 +92,33 @@ class Pairing:
 
     def _join(self, unique_id: bytes, rank: int, peer_rank: int) -> Link:
         comm = self.library.ncclCommInitRank(2, self.library.unique_id_from_bytes(unique_id), rank)
-        link = Link(comm, peer_rank)
+        link = Link(comm, peer_rank, pair_key(unique_id))
         with self._lock:
-            self._by_key[pair_key(unique_id)] = link
+            self._by_key[link.key] = link
         return link
 
     def forget(self, peer: tuple[str, int]) -> None:
         with self._lock:
             self._by_peer.pop(peer, None)
+
+    def abort(self, link: Link) -> None:
+        """Tear a stalled pair down: its communicator aborted, both sides forgotten."""
+        with self._lock:
+            self._by_key.pop(link.key, None)
+            for peer in [p for p, (key, _) in self._by_peer.items() if key == link.key]:
+                del self._by_peer[peer]
+        try:
+            self.library.ncclCommAbort(link.comm)
+        except Exception as error:  # it is being discarded either way
+            logger.warning("aborting an NCCL communicator: %r", error)
+
+
+def wait_until(done: Callable[[], bool], deadline: float) -> None:
+    """Poll `done` until it is true, or raise TimeoutError at `deadline` (monotonic)."""
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("NCCL transfer passed its deadline")
+        time.sleep(POLL_S)
 
 
 class NcclPlane(DataPlane):
@@ -117,21 +148,38 @@ class NcclPlane(DataPlane):
     def producer_link(self, pairing):
         return self.pairing.producer_link(pairing)
 
-    def _move(self, runs: Iterator[Any], link: Link, send: bool) -> None:
+    def _move(self, runs: Iterator[Any], link: Link, send: bool, deadline: float) -> None:
         torch = self._torch
         device = self.layers[0].device
-        stream = torch.cuda.current_stream(device)
-        with link.lock, torch.cuda.device(device):
-            self._library.ncclGroupStart()
-            for run in runs:
-                flat = run.reshape(-1).view(torch.uint8)
-                op = self._library.ncclSend if send else self._library.ncclRecv
-                op(flat.data_ptr(), flat.numel(), 0, link.peer_rank, link.comm, stream.cuda_stream)
-            self._library.ncclGroupEnd()
-            stream.synchronize()
+        if not link.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("the NCCL pair is busy past the deadline")
+        try:
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device)
+                self._library.ncclGroupStart()
+                for run in runs:
+                    flat = run.reshape(-1).view(torch.uint8)
+                    op = self._library.ncclSend if send else self._library.ncclRecv
+                    op(
+                        flat.data_ptr(),
+                        flat.numel(),
+                        0,
+                        link.peer_rank,
+                        link.comm,
+                        stream.cuda_stream,
+                    )
+                self._library.ncclGroupEnd()
+                finished = torch.cuda.Event()
+                finished.record(stream)
+                wait_until(finished.query, deadline)
+        except BaseException:
+            self.pairing.abort(link)
+            raise
+        finally:
+            link.lock.release()
 
     def send_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
-        self._move(self.runs(blocks), link, send=True)
+        self._move(self.runs(blocks), link, True, deadline)
 
     def recv_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
-        self._move(self.runs(blocks), link, send=False)
+        self._move(self.runs(blocks), link, False, deadline)

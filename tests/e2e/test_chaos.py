@@ -1,0 +1,138 @@
+"""Chaos (tests/e2e/chaos.py): steady streamed traffic through a live router while engine
+processes are killed at random and hostile requests are mixed in; then an account of every
+request and every kill. 1P1D on this machine, and 2P2D on a multi-node Ray cluster simulated
+here. `PDSERVE_CHAOS_S` sets the traffic's length (CI runs a short one; docs/design.md and the
+README quote a longer run's figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e import chaos
+from tests.e2e.conftest import finish_server, start_server
+
+DURATION_S = float(os.environ.get("PDSERVE_CHAOS_S", "60"))
+KILL_EVERY_S = float(os.environ.get("PDSERVE_CHAOS_KILL_EVERY_S", "20"))
+HEALTHY_WITHIN_S = 240.0
+LEASE_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from tests.conftest import REPO
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    return tokenizer((REPO / "docs/design.md").read_text()).input_ids
+
+
+@pytest.fixture(scope="module", params=["1P1D", "2P2D"])
+def served(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"chaos-{request.param}")
+    config = work / "pdserve.yaml"
+    settings = (
+        f"kv_transfer: {{lease_s: {LEASE_S}}}\n"
+        "router: {request_timeout_s: 180}\n"
+        "engine: {kv_cache_space_gib: 1}\n"
+    )
+    if request.param == "1P1D":
+        config.write_text(settings)
+        server = start_server(work, "--config", str(config))
+        yield request.param, server
+        finish_server(server)
+        return
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
+    cluster.add_node(num_cpus=1, resources={"prefill_pool": 2})
+    cluster.add_node(num_cpus=1, resources={"decode_pool": 2})
+    cluster.wait_for_nodes()
+    config.write_text(
+        settings + "pools:\n"
+        "  prefill: {replicas: 2, num_cpus: 0.5, resources: {prefill_pool: 1}}\n"
+        "  decode: {replicas: 2, num_cpus: 0.5, resources: {decode_pool: 1}}\n"
+    )
+    try:
+        server = start_server(work, "--config", str(config), "--address", cluster.address)
+        yield request.param, server
+        finish_server(server)
+    finally:
+        cluster.shutdown()
+
+
+def test_every_request_ends_and_every_pool_comes_back(served, prompts, tmp_path):
+    shape, server = served
+    account, stop = chaos.Account(), threading.Event()
+    headers: dict = {}
+    threads = [
+        threading.Thread(
+            target=chaos.client, args=(server.url, headers, prompts, seed, stop, account)
+        )
+        for seed in range(3)
+    ]
+    threads.append(
+        threading.Thread(
+            target=chaos.killer, args=(server.url, headers, KILL_EVERY_S, 7, stop, account)
+        )
+    )
+    watcher_stop = threading.Event()
+    watcher = threading.Thread(
+        target=chaos.watch_recovery, args=(server.url, headers, watcher_stop, account)
+    )
+    for thread in [*threads, watcher]:
+        thread.start()
+    time.sleep(DURATION_S)  # the traffic's length is the experiment itself
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=chaos.CLIENT_TIMEOUT_S + 30)
+        assert not thread.is_alive(), "a client is stuck past its timeout"
+
+    deadline = time.monotonic() + HEALTHY_WITHIN_S
+    while True:
+        pools = chaos.health(server.url, headers)["pools"]
+        if all(view["healthy"] == len(view["nodes"]) for view in pools.values()):
+            break
+        assert time.monotonic() < deadline, f"pools not healthy in {HEALTHY_WITHIN_S} s: {pools}"
+        time.sleep(1)
+    deadline = time.monotonic() + LEASE_S + 20
+    while any(n["kv_blocks_held"] for v in pools.values() for n in v["nodes"]):
+        assert time.monotonic() < deadline, f"KV blocks still held: {pools}"
+        time.sleep(1)
+        pools = chaos.health(server.url, headers)["pools"]
+    deadline = time.monotonic() + 10  # the last recoveries are noted at the watcher's next sample
+    while any(k.recovered_s is None for k in account.kills) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    watcher_stop.set()
+    watcher.join(timeout=10)
+
+    summary = {"shape": shape, "duration_s": DURATION_S, **account.summary()}
+    (tmp_path / "chaos.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    results = [o.result for o in account.outcomes]
+    assert account.kills, "nothing was killed"
+    assert "hung" not in results and "broken" not in results, summary
+    for outcome in account.outcomes:
+        if outcome.kind.startswith("hostile-") and outcome.kind != "hostile-vanish":
+            if outcome.kind == "hostile-slow":
+                assert outcome.result in ("completed", "error-http-503"), outcome
+            else:
+                assert outcome.result in ("error-http-400", "error-http-413"), outcome
+        if outcome.kind == "stream":  # stateless: resumed through any single failure
+            assert outcome.result in ("completed", "error-http-503", "error-event"), outcome
+    completed = results.count("completed")
+    assert completed >= 0.5 * sum(1 for o in account.outcomes if o.kind == "stream"), summary
+    assert all(kill.recovered_s is not None for kill in account.kills), summary
+    ok = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=120
+    )
+    assert ok.status_code == 200
