@@ -80,8 +80,9 @@ class PoolConfig(_Strict):
     """Custom Ray resources each node needs, e.g. {"prefill_pool": 1} to pin it to prefill hosts."""
     cpu_bind: list[str] = Field(default_factory=list)
     """CPU only: VLLM_CPU_OMP_THREADS_BIND per replica (e.g. ["0", "1"]); empty: unbound."""
-    max_restarts: int = Field(3, ge=0)
-    """How often Ray restarts a node that died; it rejoins its pool once healthy."""
+    max_restarts: int = Field(-1, ge=-1)
+    """How often Ray restarts a node whose process died (-1: always); it rejoins its pool once
+    healthy. A node past its budget stays out of its pool for good."""
 
 
 class PoolsConfig(_Strict):

@@ -3,8 +3,8 @@
 A dispatcher runs a request once, on the nodes it places it on, and yields its deltas; it never
 retries (router/retry.py decides whether a failed run runs again).
 
-Disaggregated, the life of one request (admission already refused it with 503 if no decode
-node was healthy):
+Disaggregated, the life of one request (`RouterService.open` already refused it with 503 if no
+node could serve it):
 1. A decode node is chosen first, before the prefill runs.
 2. A prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg
    (for `n` legs when the request asks for n sequences). Where the seam policy (router/seam.py)

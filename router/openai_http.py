@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
 /metrics — the HTTP edge of `RouterService` (router/service.py).
 
-Life of a request: the body is read and parsed as JSON, `RouterService.open` validates it (400/404
-on bad input), checks the pools (503) and admits it (429 when full); then it is streamed as
+Life of a request: the body is read and parsed as JSON, `RouterService.open` admits it (429 when
+full), validates it (400/404 on bad input) and checks the pools (503); then it is streamed as
 server-sent events ending in `data: [DONE]`, or collected into one JSON response. A client that
 disconnects from a stream cancels the engine-side request. vLLM's own OpenAI protocol classes
 shape the responses, so the official `openai` client works unchanged.

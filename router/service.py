@@ -84,14 +84,14 @@ class RouterService:
         self.request_timeout_s = request_timeout_s
 
     async def open(self, kind: str, body: Any, api: str) -> Admitted:
-        """Check the pools, admit, then validate and tokenize (on a thread: a long prompt must
-        not stall the event loop the health checks and streams run on); a refusal is counted
-        and raised, and gives its slot back."""
+        """Admit, validate and tokenize (on a thread: a long prompt must not stall the event loop
+        the health checks and streams run on), then check the pools: bad input is a 400 whether
+        or not a node is up. A refusal is counted and raised, and gives its slot back."""
         slot = None
         try:
-            self.dispatcher.check_available()
             slot = self.admission.admit()
             prepared = await asyncio.to_thread(self.frontend.prepare, kind, body)
+            self.dispatcher.check_available()
         except BaseException as error:
             if slot is not None:
                 slot.release()

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,7 @@ class Server:
     log: Path
     model: str
     grpc: str = ""
+    headers: dict = field(default_factory=dict)  # the API key, where the server has one
 
 
 def _wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> dict:
@@ -45,6 +46,8 @@ def _wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> dict:
 
 def stop_and_check_nothing_left(process: subprocess.Popen) -> list[str]:
     """SIGTERM the server; return the descendants (Ray, vLLM) still alive after the deadline."""
+    if process.poll() is not None:  # exited (and reaped) already: no tree left to walk
+        return []
     tree = psutil.Process(process.pid).children(recursive=True)
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=STOP_DEADLINE_S)
@@ -83,7 +86,7 @@ def start_server(work: Path, *extra_args: str, api_key: str | None = None) -> Se
         urls = _wait_ready(process, ready, log)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         models = httpx.get(f"{urls['http']}/v1/models", timeout=10, headers=headers).json()
-        return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"])
+        return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"], headers)
     except BaseException:  # never leave a server behind (it would hold its ports)
         stop_and_check_nothing_left(process)
         raise
@@ -226,7 +229,9 @@ def metric(server: Server, name: str, **labels: str) -> float:
     """One sample of the router's /metrics (0 when the series is absent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    answer = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10)
+    answer.raise_for_status()
+    text = answer.text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):

@@ -70,7 +70,7 @@ def all_nodes_healthy(server):
 
 
 def health(server) -> dict:
-    return httpx.get(f"{server.url}/health", timeout=10).json()
+    return httpx.get(f"{server.url}/health", headers=server.headers, timeout=10).json()
 
 
 def test_health_shows_both_pools(server):

@@ -173,26 +173,6 @@ async def test_handshake_mismatch(engines, corpus):
     await assert_producer_drains(engines["p_other"])
 
 
-async def test_producer_killed_mid_transfer(engines, corpus):
-    """Last: kills the producer. ~44 MB at 20 MB/s leaves two seconds to cut the transfer."""
-    prompt = corpus[200:2100]
-    expected = await plain(engines["p"], prompt)
-    before = await failures(engines["d"], "connection_reset")
-    decoding = asyncio.ensure_future(disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS))
-
-    async def pulling():
-        stats = await engines["d"].stats.remote()
-        return stats.kv.gauges.in_flight > 0
-
-    await wait_for(pulling, 60, "the decode engine to start pulling")
-    ray.kill(engines["p"], no_restart=True)
-    started = time.monotonic()
-    result = await asyncio.wait_for(decoding, TIMEOUT_S + 60)
-    assert result.tokens == expected
-    assert time.monotonic() - started < TIMEOUT_S + 60
-    assert await failures(engines["d"], "connection_reset") == before + 1
-
-
 HOSTILE_HANDLES = {
     "infinite token count": {"remote_num_tokens": float("inf")},
     "token count as text": {"remote_num_tokens": "300"},
@@ -242,3 +222,23 @@ def _set(change: dict):
         handle.update(change)
 
     return mutate
+
+
+async def test_producer_killed_mid_transfer(engines, corpus):
+    """Last: kills the producer. ~44 MB at 20 MB/s leaves two seconds to cut the transfer."""
+    prompt = corpus[200:2100]
+    expected = await plain(engines["p"], prompt)
+    before = await failures(engines["d"], "connection_reset")
+    decoding = asyncio.ensure_future(disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS))
+
+    async def pulling():
+        stats = await engines["d"].stats.remote()
+        return stats.kv.gauges.in_flight > 0
+
+    await wait_for(pulling, 60, "the decode engine to start pulling")
+    ray.kill(engines["p"], no_restart=True)
+    started = time.monotonic()
+    result = await asyncio.wait_for(decoding, TIMEOUT_S + 60)
+    assert result.tokens == expected
+    assert time.monotonic() - started < TIMEOUT_S + 60
+    assert await failures(engines["d"], "connection_reset") == before + 1

@@ -50,6 +50,7 @@ ROUTER_EDGES = {
     "fields.py",
     "openai_http.py",
     "responses.py",
+    "logprobs.py",
     "grpc_api.py",
     "ray_nodes.py",
 }

@@ -164,6 +164,10 @@ async def test_no_node_left_is_503_and_a_full_router_429(http, router):
         pool.nodes[0].healthy = False
     down = await http.post("/v1/completions", json={"prompt": "hi"})
     assert down.status_code == 503 and "either pool" in down.json()["error"]["message"]
+    # bad input is a 400 whether or not a node is up
+    hostile = {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}
+    refused = await http.post("/v1/completions", json=hostile)
+    assert refused.status_code == 400 and "kv_transfer_params" in refused.json()["error"]["message"]
     assert (await http.get("/health")).status_code == 503
     router.reset()
     router.nodes["d0"].delay_s = 0.2
