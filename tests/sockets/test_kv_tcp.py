@@ -107,12 +107,14 @@ def test_wrong_secret_is_refused_without_kv(producer, caplog):
     _, table, _, port = producer
     dst, client = consumer(secret=b"guess")
     table.offer("req-2", [1], time.time() + 30)
-    with caplog.at_level(logging.WARNING), pytest.raises(TransferError) as failed:
-        client.pull(handle(port, "req-2", [1]), [1], [1], 0, time.monotonic() + 10)
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(TransferError) as failed:
+            client.pull(handle(port, "req-2", [1]), [1], [1], 0, time.monotonic() + 10)
+        # the server logs the refusal just after the client has read it
+        assert until(lambda: "wrong cluster secret" in caplog.text)
     assert failed.value.reason == "auth"
     assert not any(t.any() for t in dst.values())
     assert table.blocks_held() == 1  # still offered: the real consumer may still come
-    assert "wrong cluster secret" in caplog.text
 
 
 def test_layout_mismatch_names_the_field(producer):
