@@ -3,7 +3,7 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format proto bench bench-kv
+.PHONY: setup serve test test-fast lint format proto bench bench-kv sweep
 
 setup:
 	bash scripts/bootstrap.sh
@@ -35,6 +35,12 @@ bench: setup
 		--long-prompt-len 1536 --long-output-len 16 --long-every-s 10 --arrivals poisson \
 		--rate 1 --num-requests 120 --ttft-slo-s 2 --tpot-slo-s 0.1 \
 		--out results/bench/interference $(ARGS)
+
+# the rate sweep in results/bench/sweep/README.md: pdserve adaptive, remote and colocated and plain
+# vLLM's OpenAI server on the same 2 cores, both mixes, SLO attainment per rate (~50 min)
+sweep: setup
+	$(VENV)/bin/pdserve bench sweep --systems adaptive remote colocated vllm \
+		--rates 1 2 3 4 6 --duration-s 45 --out results/bench/sweep $(ARGS)
 
 bench-kv: setup
 	$(VENV)/bin/python benchmarks/kv_transport.py

@@ -4,16 +4,23 @@ vLLM builds the connector twice per engine (`pdserve.kv.connector.PDServeConnect
 `kv_consumer` (or `kv_both`) engine each instance holds one of these halves:
 
 - `ConsumerScheduler` (EngineCore process): a request that arrives with a handle in
-  `kv_transfer_params` is matched for all the prompt tokens the producer computed that are not
-  already cached here (`get_num_new_matched_tokens`); vLLM allocates blocks and parks the request
-  in WAITING_FOR_REMOTE_KVS; `update_state_after_alloc` pairs the fresh local blocks with the
-  producer's and queues the pull for the workers. A handle whose blocks are all cached here is
-  only given back, so the producer frees them at once.
-- `ConsumerWorker` (each worker process): runs each pull on a small thread pool into the fresh
-  blocks (nothing else touches blocks of a request waiting for remote KV) and reports it finished
-  or failed in the next step's `transfer_results`. vLLM then schedules the request from the loaded
-  KV, or applies `kv_load_failure_policy`: `recompute` computes the prefill here, `fail` ends the
-  request with finish reason "error" (the decode node turns that into `KVLoadFailed`).
+  `kv_transfer_params` is matched for the prompt tokens the producer computed that are not
+  already cached here (`get_num_new_matched_tokens`); vLLM allocates blocks for them and
+  `update_state_after_alloc` pairs those local blocks with the producer's and queues the pull for
+  the workers. A handle whose blocks are all cached here is only given back, so the producer
+  frees them at once.
+- `ConsumerWorker` (each worker process): runs the pulls on a small thread pool into the fresh
+  blocks. How the request waits for them is the `load` setting:
+  - `sync` (default): vLLM schedules the request in the same step, and `start_load_kv` (called
+    before that step's forward) waits for its pull, so the request decodes in the step that
+    admitted it — the hand-over costs the pull, not extra steps. A sync match leaves the last
+    prompt token to compute (a step must compute something). A failed pull reports its blocks in
+    `get_block_ids_with_load_errors`.
+  - `async`: the request waits in WAITING_FOR_REMOTE_KVS while the pull runs beside the steps
+    (nothing else touches its blocks); the next step's `transfer_results` report it finished or
+    failed, and vLLM schedules it one step later.
+  On a failure vLLM applies `kv_load_failure_policy`: `recompute` computes the prefill here, `fail`
+  ends the request with finish reason "error" (the decode node turns that into `KVLoadFailed`).
 """
 
 from __future__ import annotations
@@ -53,13 +60,19 @@ class RecvSpec:
     local_block_ids: list[int]
     release_only: bool = False
     """Nothing to load (all cached here): only tell the producer to free its blocks now."""
+    sync: bool = False
+    """Loaded before the forward of the step that schedules the request (`load: sync`)."""
 
 
 class ConsumerScheduler:
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
         self.settings = settings
+        self.block_size = block_size
+        self.sync = settings.load == "sync"
         self._recv: dict[str, RecvSpec] = {}
         self._receiving: set[str] = set()
+        self._local_hits: dict[str, int] = {}
+        """Prompt tokens found in this engine's own cache at the last match (block-aligned)."""
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -74,8 +87,20 @@ class ConsumerScheduler:
         if not wants_remote_prefill(params):
             return 0, False
         produced = produced_tokens(params, request.num_prompt_tokens)
-        remaining = min(produced, request.num_prompt_tokens) - num_computed_tokens
-        return (remaining, True) if remaining > 0 else (0, False)
+        # sync: vLLM computes what is not matched in the same step, and a step must compute at
+        # least one token; async: it recomputes the last token itself once the load is in
+        usable = request.num_prompt_tokens - 1 if self.sync else request.num_prompt_tokens
+        remaining = min(produced, usable) - num_computed_tokens
+        self._local_hits[request.request_id] = num_computed_tokens
+        return (remaining, not self.sync) if remaining > 0 else (0, False)
+
+    def _fresh_blocks(self, request: Any, blocks: Any, num_external: int) -> tuple[int, list]:
+        """(index of the first, ids of) the local blocks the external tokens go into: after the
+        blocks of the local cache hit, up to the block holding the last external token."""
+        local_hit = self._local_hits.pop(request.request_id, 0)
+        first = local_hit // self.block_size
+        end = -(-(local_hit + num_external) // self.block_size)
+        return first, list(blocks.get_block_ids()[0][first:end])
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -83,11 +108,10 @@ class ConsumerScheduler:
             return
         params[REMOTE_PREFILL] = False  # one pull per request, even if called again
         if num_external_tokens <= 0:
+            self._local_hits.pop(request.request_id, None)
             self._release_unneeded(request.request_id, params)
             return
-        local_all = list(blocks.get_block_ids()[0])
-        fresh = list(blocks.get_unhashed_block_ids())
-        cached = len(local_all) - len(fresh)
+        cached, fresh = self._fresh_blocks(request, blocks, num_external_tokens)
         try:
             handle = KVHandle.from_params(params, self.settings.peer_hosts)
             remote = list(handle.block_ids[cached : cached + len(fresh)])
@@ -98,8 +122,9 @@ class ConsumerScheduler:
         except HandleError as error:
             logger.warning("request %s: %s", request.request_id, error)
             remote = []
-        self._recv[request.request_id] = RecvSpec(dict(params), remote, fresh)
-        self._receiving.add(request.request_id)
+        self._recv[request.request_id] = RecvSpec(dict(params), remote, fresh, sync=self.sync)
+        if not self.sync:
+            self._receiving.add(request.request_id)
 
     def _release_unneeded(self, request_id: str, params: dict) -> None:
         """Everything was cached here: let the producer free its blocks instead of waiting for
@@ -110,11 +135,19 @@ class ConsumerScheduler:
             return
         self._recv[f"release:{request_id}"] = RecvSpec(dict(params), [], [], release_only=True)
 
-    def failed_pull(self, request_id: str, params: Any) -> None:
+    def failed_pull(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """A pull that must fail (something went wrong before it could be planned): the worker
-        reports it failed, so vLLM applies the failure policy instead of waiting forever."""
-        self._recv[request_id] = RecvSpec(dict(params) if isinstance(params, dict) else {}, [], [])
-        self._receiving.add(request_id)
+        reports it failed, so vLLM applies the failure policy instead of waiting forever (or,
+        sync, computing from blocks nothing wrote)."""
+        params = request.kv_transfer_params
+        try:
+            _, local = self._fresh_blocks(request, blocks, num_external_tokens)
+        except Exception:
+            local = list(blocks.get_block_ids()[0])
+        spec = RecvSpec(dict(params) if isinstance(params, dict) else {}, [], local, sync=self.sync)
+        self._recv[request.request_id] = spec
+        if not self.sync:
+            self._receiving.add(request.request_id)
 
     def is_receiving(self, request_id: str) -> bool:
         """A pull still writes into this request's blocks (free them when it ends)."""
@@ -123,6 +156,7 @@ class ConsumerScheduler:
     def request_finished(self, request: Any) -> None:
         """A request that ended before its pull was planned (aborted: its client left) gives its
         handle back, so the producer frees the blocks now rather than when the lease ends."""
+        self._local_hits.pop(request.request_id, None)
         params = request.kv_transfer_params
         if wants_remote_prefill(params):
             params[REMOTE_PREFILL] = False
@@ -148,14 +182,24 @@ class ConsumerWorker:
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._failed: set[str] = set()
+        self._load_errors: set[int] = set()
 
     def start(self, pulls: dict[str, RecvSpec]) -> None:
+        """Start this step's pulls; return once the sync ones have ended (their requests run in
+        this step's forward)."""
+        waiting = []
         for request_id, spec in pulls.items():
             if spec.release_only:
                 self._pool.submit(self._release, spec)
                 continue
             self.stats.started()
-            self._pool.submit(self._pull, request_id, spec)
+            if spec.sync:
+                waiting.append((spec, self._pool.submit(self._transfer, request_id, spec)))
+            else:
+                self._pool.submit(self._pull, request_id, spec)
+        for spec, done in waiting:
+            if not done.result():  # _transfer never raises
+                self._load_errors.update(spec.local_block_ids)
 
     def _release(self, spec: RecvSpec) -> None:
         try:
@@ -167,6 +211,15 @@ class ConsumerWorker:
             logger.info("could not release unneeded KV at the producer: %s", error)
 
     def _pull(self, request_id: str, spec: RecvSpec) -> None:
+        """An async pull: its end is reported in the next `results`."""
+        failed = not self._transfer(request_id, spec)
+        with self._lock:
+            self._received.add(request_id)
+            if failed:
+                self._failed.add(request_id)
+
+    def _transfer(self, request_id: str, spec: RecvSpec) -> bool:
+        """Pull one request's blocks; False (the reason counted and logged) when it failed."""
         started = time.monotonic()
         try:
             if not spec.remote_block_ids:
@@ -192,10 +245,12 @@ class ConsumerWorker:
             failed = True
         finally:
             self.stats.ended()
-        with self._lock:
-            self._received.add(request_id)
-            if failed:
-                self._failed.add(request_id)
+        return not failed
+
+    def load_errors(self) -> set[int]:
+        """Local blocks of sync pulls that failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def results(self) -> tuple[set[str], set[str]]:
         """Pulls that ended since the last call: (all ended, of which failed)."""

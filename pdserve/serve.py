@@ -115,6 +115,7 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
     """The router's pools (nodes reached through Ray) and the dispatcher over them."""
     from router.dispatch import Colocated, Disaggregated
     from router.nodes import Node
+    from router.placement import Placement
     from router.policies import make_policy
     from router.pools import Pool
     from router.ray_nodes import RayNodeClient
@@ -132,7 +133,12 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
     }
     if config.mode == "colocated":
         return Colocated(built["colocated"])
-    return Disaggregated(built["prefill"], built["decode"], config.router.prefill_fallback)
+    placement = Placement.from_config(
+        config.router.placement, step_cap_tokens=config.engine.long_prefill_token_threshold
+    )
+    return Disaggregated(
+        built["prefill"], built["decode"], config.router.prefill_fallback, placement=placement
+    )
 
 
 def _stop_actors(actors: list) -> None:

@@ -5,7 +5,9 @@ retries (router/retry.py decides whether a failed run runs again).
 
 Disaggregated, the life of one request (`RouterService.open` already refused it with 503 if no
 node could serve it):
-1. A decode node is chosen first, before the prefill runs.
+1. A decode node is chosen first, then where the prompt is computed (router/placement.py):
+   `local` — the decode node serves the whole request as one engine would, and steps 2–3 do not
+   happen; `remote` — steps 2 and 3.
 2. A prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg
    (for `n` legs when the request asks for n sequences). Where the seam policy (router/seam.py)
    says the prefill samples the first token, that token goes to the client at once (the time to
@@ -23,6 +25,7 @@ prefill node does. 503 only when neither pool has a healthy node.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
@@ -32,6 +35,7 @@ from pdserve.engine.types import KVLoadFailed, TokenDelta
 from router import seam
 from router.errors import EngineFailed, KVTransferFailed, PoolUnavailable
 from router.nodes import Node
+from router.placement import LOCAL, Placement
 from router.pools import Pool
 from router.request import PreparedRequest
 
@@ -57,15 +61,26 @@ class Disaggregated:
     mode = "disaggregated"
 
     def __init__(
-        self, prefill: Pool, decode: Pool, prefill_fallback: bool, on_fallback: Any = None
+        self,
+        prefill: Pool,
+        decode: Pool,
+        prefill_fallback: bool,
+        on_fallback: Any = None,
+        placement: Placement | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.pools = {prefill.name: prefill, decode.name: decode}
         self.prefill_fallback = prefill_fallback
+        self.placement = placement or Placement("remote")
         self.on_fallback = on_fallback
         """Called once per request the decode node prefills for itself (a metric)."""
         self.on_degraded = None
         """Called once per request a prefill node serves whole for want of a decode node."""
+        self.on_placement = None
+        """Called with each placement `Decision` (a metric)."""
+        self.on_handover = None
+        """Called with each hand-over gap in seconds: the prefill's end to the decode node's
+        first token (a metric)."""
 
     def check_available(self) -> None:
         decode, prefill = self.decode.healthy_nodes(), self.prefill.healthy_nodes()
@@ -91,18 +106,25 @@ class Disaggregated:
             return
         decode_node = self.decode.pick()
         placement = seam.placement(params)
-        if placement == seam.ONE_ENGINE or not self.prefill.healthy_nodes():
-            if placement != seam.ONE_ENGINE:
+        local = placement == seam.ONE_ENGINE
+        if not local:
+            decision = self.placement.decide(len(prompt), decode_node, self.prefill.healthy_nodes())
+            local = decision.where == LOCAL
+            if decision.reason == "no_prefill_node":
                 if not self.prefill_fallback:
                     raise PoolUnavailable("no healthy node in the prefill pool")
                 logger.warning("%s: no healthy prefill node; the decode node prefills", rid)
                 if self.on_fallback is not None:
                     self.on_fallback()
+            elif self.on_placement is not None:
+                self.on_placement(decision)
+        if local:
             async for delta in _relay(self.decode, decode_node, "generate", prepared, deadline):
                 yield delta
             return
         sample_first = placement == seam.FIRST_ON_PREFILL
         first = await self._prefill(prepared, deadline, sample_first)
+        handed_over = time.monotonic()
         first_tokens: list[int] = []
         if sample_first:
             yield replace(first, handle=None)
@@ -122,6 +144,9 @@ class Disaggregated:
         try:
             async with aclosing(leg):
                 async for delta in leg:
+                    if handed_over is not None and delta.token_ids:
+                        self._handover(time.monotonic() - handed_over)
+                        handed_over = None
                     if delta.num_cached_tokens is not None:
                         # the prompt was computed on the prefill node: its cache hits count
                         cached = None if sample_first else first.num_cached_tokens
@@ -129,6 +154,11 @@ class Disaggregated:
                     yield delta
         except KVLoadFailed as error:
             raise KVTransferFailed(str(error)) from None
+
+    def _handover(self, seconds: float) -> None:
+        self.placement.observe_handover(seconds)
+        if self.on_handover is not None:
+            self.on_handover(seconds)
 
     async def _prefill(
         self, prepared: PreparedRequest, deadline: float, sample_first: bool

@@ -52,6 +52,9 @@ class Node:
     """Requests (or request legs) the router has open on the node."""
     outstanding_prompt_tokens: int = 0
     """Prompt tokens of those requests."""
+    prefilling_tokens: int = 0
+    """Prompt tokens the router sent the node to compute ("prefill", "generate") and has not seen
+    a token of yet: the prefill work queued there (router/placement.py)."""
     stats: NodeStats = field(default_factory=NodeStats)
     """What the node reported in its last health check."""
     reported: bool = False

@@ -33,6 +33,8 @@ MISSED_CHECKS_TO_EVICT = 3
 """A node busy enough to miss a health check is not dead: it leaves its pool after this many
 missed checks in a row, or at once when Ray says the actor died."""
 RESTART_TIMEOUT_S = 600.0
+COMPUTES_PROMPT = ("prefill", "generate")
+"""Node methods that compute the prompt (a decode leg loads it)."""
 
 
 class Pool:
@@ -74,10 +76,14 @@ class Pool:
         finishes or `deadline` (monotonic) passes."""
         node.outstanding += 1
         node.outstanding_prompt_tokens += len(prompt_token_ids)
+        computing = len(prompt_token_ids) if method in COMPUTES_PROMPT else 0
+        node.prefilling_tokens += computing
         deltas = node.client.stream(method, request_id, prompt_token_ids, *args)
         try:  # closing the node's stream (below) cancels the call on the node
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 async for delta in deltas:
+                    node.prefilling_tokens -= computing
+                    computing = 0
                     yield delta
         except TimeoutError:
             raise DeadlineExceeded(f"request {request_id} passed its deadline") from None
@@ -91,6 +97,7 @@ class Pool:
         finally:
             node.outstanding -= 1
             node.outstanding_prompt_tokens -= len(prompt_token_ids)
+            node.prefilling_tokens -= computing
             await deltas.aclose()
 
     # ---- membership ----------------------------------------------------------------------------

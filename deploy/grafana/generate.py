@@ -208,6 +208,36 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
         ],
     ),
+    (
+        "Prefill placement and the hand-over",
+        [
+            Panel(
+                "Where prompts are computed",
+                [
+                    (
+                        f"sum by (where, reason) (rate(pdserve_prefill_placements_total[{RATE}]))",
+                        "{{where}} ({{reason}})",
+                    )
+                ],
+                unit="reqps",
+                description="Disaggregated: each request's prompt computed on its decode node "
+                "(local) or on a prefill node (remote), by the reason the router gave "
+                "(router/placement.py).",
+                width=12,
+            ),
+            Panel(
+                "Hand-over gap",
+                [
+                    (quantile(0.5, "pdserve_handover_gap_seconds"), "p50"),
+                    (quantile(0.99, "pdserve_handover_gap_seconds"), "p99"),
+                ],
+                unit="s",
+                description="Remote prefills: the prefill's token to the decode node's first "
+                "token. Within one inter-token latency, a reader cannot tell.",
+                width=12,
+            ),
+        ],
+    ),
 ]
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.config import EngineConfig, cpu_preload_paths
+
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,6 +104,9 @@ def plain_vllm_server(
         OMP_NUM_THREADS=threads,
         HF_HUB_OFFLINE="1",
     )
+    preload = cpu_preload_paths(EngineConfig().cpu_preload)
+    if preload:  # what pdserve's engines get (vLLM's CPU guide), so the comparison is fair
+        env["LD_PRELOAD"] = ":".join(preload)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_name,

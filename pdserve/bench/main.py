@@ -9,12 +9,14 @@ import json
 import logging
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from pdserve.bench import compare
+from pdserve.bench import sweep as sweep_
 from pdserve.bench.client import run_load, served_model
 from pdserve.bench.report import markdown_table, plot, read_records, write_json
 from pdserve.bench.stats import RequestRecord, summarize
@@ -62,6 +64,43 @@ def add_parser(commands) -> None:
     both.add_argument("--no-kv-micro", action="store_true", help="skip the KV micro-benchmark")
     _add_workload_args(both)
     both.set_defaults(func=cmd_compare)
+    sweep = sub.add_parser(
+        "sweep",
+        help="a request-rate sweep of pdserve adaptive, colocated and plain vLLM, same cores",
+        description="Start each system in turn on this machine's two cores (pdserve 1P1D with "
+        "adaptive placement, pdserve 1P1D with every prompt on the prefill node, pdserve "
+        "colocated, plain vLLM's OpenAI server), send each mix at each rate (Poisson arrivals, "
+        "the same requests for every system), and report SLO attainment per rate under two SLOs "
+        "(DistServe's: TTFT and TPOT; smooth streaming: TTFT and the longest gap between "
+        "tokens), goodput, TTFT / ITL percentiles, and each system's highest rate at >= 90 % "
+        "attainment. Writes results.json, records.jsonl, results.md and attainment.png.",
+    )
+    sweep.add_argument(
+        "--systems", nargs="+", default=["adaptive", "colocated", "vllm"], choices=sweep_.SYSTEMS
+    )
+    sweep.add_argument("--mixes", nargs="+", default=list(sweep_.MIXES), choices=list(sweep_.MIXES))
+    sweep.add_argument(
+        "--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="requests/s"
+    )
+    sweep.add_argument("--duration-s", type=float, default=60.0, help="arrivals per point")
+    sweep.add_argument("--warmup-requests", type=int, default=10, help="per system and mix")
+    sweep.add_argument("--timeout-s", type=float, default=120.0, help="per request")
+    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--ttft-slo-s", type=float, default=1.0, help="both SLOs")
+    sweep.add_argument("--tpot-slo-s", type=float, default=0.08, help="DistServe's SLO")
+    sweep.add_argument(
+        "--max-gap-slo-s", type=float, default=0.25, help="smooth streaming: longest gap"
+    )
+    sweep.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the pdserve systems' config, e.g. --set kv_transfer.load=async (repeatable)",
+    )
+    sweep.add_argument("--out", default="bench-sweep", help="folder for the report")
+    sweep.set_defaults(func=cmd_sweep)
     again = sub.add_parser(
         "report",
         help="recompute a report folder's figures, tables and plots from its records",
@@ -270,6 +309,73 @@ def cmd_compare(args: argparse.Namespace) -> int:
         results["kv_micro_benchmark"] = compare.kv_micro_benchmark(out)
     _write(out, results, records, _compare_text(results))
     return 0
+
+
+@_checked
+def cmd_sweep(args: argparse.Namespace) -> int:
+    _quiet()
+    if any(rate <= 0 for rate in args.rates) or args.duration_s <= 0:
+        raise BenchError("--rates and --duration-s must be positive")
+    args.slos = (
+        sweep_.Slo("DistServe", args.ttft_slo_s, tpot_s=args.tpot_slo_s),
+        sweep_.Slo("smooth", args.ttft_slo_s, max_gap_s=args.max_gap_slo_s),
+    )
+    with tempfile.TemporaryDirectory() as scratch:  # refuse a bad --set before starting anything
+        for system in set(args.systems) - {"vllm"}:
+            sweep_.pdserve_config(system, compare.REPO, Path(scratch), args.overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = sorted(args.rates)
+    points: dict = {mix: {} for mix in args.mixes}
+    records: dict[str, list[RequestRecord]] = {}
+    placement: dict = {}
+    for system in args.systems:
+        work = compare.scratch(out, system)
+        logger.info("starting %s", system)
+        with _system(system, work, args.overrides) as url:
+            for mix in args.mixes:
+                got: dict = {}
+                sweep_.run_points(url, mix, rates, args, got, points[mix].setdefault(system, {}))
+                records.update({f"{system}/{mix}/{rate}": r for rate, r in got.items()})
+            if system in ("adaptive", "remote"):
+                metrics = httpx.get(f"{url}/metrics", timeout=10).text
+                placement[system] = sweep_.placement_figures(metrics)
+    results = {
+        "settings": {
+            key: getattr(args, key)
+            for key in "systems mixes rates duration_s warmup_requests seed overrides".split()
+        },
+        "machine": _machine(),
+        "duration_s": args.duration_s,
+        "systems": args.systems,
+        "slos": [vars(slo) for slo in args.slos],
+        "fairness": "adaptive / remote: prefill engine on core 0 + decode engine on core 1, one "
+        "thread each; colocated and vllm: one engine with two threads on cores 0-1; same engine "
+        "settings (bf16, eager, max_model_len 2048, 64 sequences, tcmalloc and Intel OpenMP "
+        "preloaded), fresh server per system.",
+        "points": points,
+        "placement": placement,
+    }
+    results["headline"] = sweep_.headline(results, args.slos)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out, results, records)
+    report = sweep_.text(results, args.slos)
+    (out / "results.md").write_text(report)
+    figure = sweep_.plot(out, results, args.slos)
+    print(report)
+    print(f"wrote {out}/: results.json, records.jsonl, results.md, {figure.name}")
+    return 0
+
+
+def _system(system: str, work: Path, overrides: list[str]):
+    """A context manager serving `system` on this machine; yields its base URL."""
+    if system == "vllm":
+        from pdserve.model_prep import prepare_default_model
+
+        model_dir = prepare_default_model()
+        return compare.plain_vllm_server(model_dir, model_dir.name, work)
+    config = sweep_.pdserve_config(system, compare.REPO, work, overrides)
+    return compare.pdserve_server(config, work)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

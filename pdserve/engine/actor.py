@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from pdserve.config import EngineConfig, PoolConfig
+from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, RequestRejected, TokenDelta
 from pdserve.roofline.live import resolve_peaks
@@ -58,6 +58,9 @@ def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    preload = cpu_preload_paths(engine.cpu_preload) if not pool.num_gpus else []
+    if preload:  # vLLM adds torch's libgomp unless an OpenMP runtime is already preloaded
+        env["LD_PRELOAD"] = ":".join(preload)
     for name in ("VLLM_RPC_BASE_PATH", "PDSERVE_CACHE_DIR"):
         if os.environ.get(name):
             env[name] = os.environ[name]
@@ -86,6 +89,8 @@ def engine_kwargs(
     )
     if engine.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    if engine.long_prefill_token_threshold:
+        kwargs["long_prefill_token_threshold"] = engine.long_prefill_token_threshold
     if kv_transfer:
         kwargs["kv_transfer_config"] = kv_transfer
     return kwargs

@@ -129,7 +129,8 @@ class PDServeConnector(KVConnectorBase_V1):
             if "producer" in self._halves:
                 self.producer = _half("producer", 0)(self._settings, config.engine_id or "")
             if "consumer" in self._halves:
-                self.consumer = _half("consumer", 0)(self._settings)
+                block_size = vllm_config.cache_config.block_size
+                self.consumer = _half("consumer", 0)(self._settings, block_size)
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class PDServeConnector(KVConnectorBase_V1):
         except Exception:  # the request waits for remote KV: it must hear that none comes
             logger.exception("KV connector: planning the pull of %s failed", request.request_id)
             if num_external_tokens > 0:
-                self.consumer.failed_pull(request.request_id, request.kv_transfer_params)
+                self.consumer.failed_pull(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
         return PDServeMetadata(
@@ -229,7 +230,8 @@ class PDServeConnector(KVConnectorBase_V1):
             self.consumer.start(meta.recv)  # pulls run on threads that catch everything
 
     def wait_for_layer_load(self, layer_name):
-        """Nothing to wait for: whole requests are loaded before they are scheduled."""
+        """Nothing to wait for: a request's whole KV is loaded before its first forward (async:
+        before it is scheduled; sync: in `start_load_kv`, before the step's forward)."""
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         """Nothing to save: the producer serves blocks from its cache after the prefill."""
@@ -247,6 +249,9 @@ class PDServeConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=received, failed_recving=failed
         )
+
+    def get_block_ids_with_load_errors(self):
+        return self.consumer.load_errors() if self.consumer is not None else set()
 
     def get_kv_connector_stats(self):
         if self._stats is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 SECRET_ENV = "PDSERVE_KV_SECRET"
 TRANSPORTS = ("tcp", "nccl")
+LOADS = ("sync", "async")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class ConnectorSettings:
     """Read the secret from this file at each connection (lets operators rotate it)."""
     send_rate_limit_bytes_per_s: float | None = None
     """Cap a producer's sending rate per transfer (None: as fast as the link goes)."""
+    load: str = "sync"
+    """Consumer: "sync" loads a request's KV at the start of the step that schedules it (it
+    decodes in that same step); "async" loads it on a thread while the request waits outside the
+    batch (scheduled one or two steps after the load ends; the step is never held up)."""
     peer_hosts: tuple[str, ...] | None = None
     """Consumer: the hosts a handle may send it to pull from (None: any). A handle naming another
     host fails its request as a bad handle."""
@@ -52,6 +57,8 @@ class ConnectorSettings:
         settings = cls(**extra)
         if settings.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {settings.transport!r}")
+        if settings.load not in LOADS:
+            raise ValueError(f"load must be one of {LOADS}, not {settings.load!r}")
         if settings.lease_s <= 0 or settings.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
         if not (0 <= int(settings.port) <= 65535):

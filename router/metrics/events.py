@@ -8,12 +8,18 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from router.metrics.cluster import PoolCollector
+from router.placement import DECISIONS
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 """Seconds; fine around CPU decode steps (20–100 ms) and GPU TTFTs, wide enough for CPU prefills."""
+HANDOVER_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+    2.0, 5.0,
+)  # fmt: skip
+"""Seconds; fine around one decode step, where a hand-over should end."""
 
 disable_created_metrics()  # no `_created` series: nothing here reads them
 
@@ -67,6 +73,19 @@ class RouterMetrics:
             "Requests served whole by a prefill node because no decode node was healthy.",
             registry=r,
         )
+        self.placements = Counter(
+            "pdserve_prefill_placements",
+            "Where disaggregated requests' prompts were computed (router/placement.py): "
+            "remote (a prefill node, then the KV hand-over) or local (their decode node).",
+            ["where", "reason"],
+            registry=r,
+        )
+        self.handover_gap = Histogram(
+            "pdserve_handover_gap_seconds",
+            "Remote prefills: the prefill's end (its token) to the decode node's first token.",
+            buckets=HANDOVER_BUCKETS,
+            registry=r,
+        )
         self.retries = Counter(
             "pdserve_request_retries",
             "Requests run again because a node of this pool failed under them (router/retry.py).",
@@ -96,6 +115,12 @@ class RouterMetrics:
         if hasattr(dispatcher, "on_fallback"):
             dispatcher.on_fallback = self.fallbacks.inc
             dispatcher.on_degraded = self.decode_fallbacks.inc
+            dispatcher.on_handover = self.handover_gap.observe
+            dispatcher.on_placement = lambda decision: self.placements.labels(
+                where=decision.where, reason=decision.reason
+            ).inc()
+            for reason, where in DECISIONS[dispatcher.placement.mode].items():
+                self.placements.labels(where=where, reason=reason)  # zero from the start
 
 
 class RequestTimer:

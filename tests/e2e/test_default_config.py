@@ -150,7 +150,9 @@ def test_n_sequences_in_bf16(server):
 
 @pytest.fixture(scope="module")
 def load(server):
-    """Streamed requests of mixed lengths from two clients until the module ends."""
+    """Streamed requests of mixed lengths (≈ 25 to 1400 tokens: short ones the adaptive
+    placement keeps on the decode node, long ones it sends to the prefill node on any CPU) from
+    two clients until the module ends."""
     stop = threading.Event()
     words = (REPO / "README.md").read_text().split()
 
@@ -158,7 +160,8 @@ def load(server):
         with httpx.Client(base_url=server.url, timeout=120) as http:
             i = seed
             while not stop.is_set():
-                prompt = " ".join(words[i * 37 % 2000 : i * 37 % 2000 + 20 + (i * 53) % 400])
+                start, length = i * 37 % 2000, 20 + (i * 53) % 400 + 600 * (i % 6 == 0)
+                prompt = " ".join(words[start : start + length])
                 body = {"prompt": prompt, "max_tokens": 12, "stream": True, "ignore_eos": True}
                 with http.stream("POST", "/v1/completions", json=body) as response:
                     response.read()
@@ -338,6 +341,20 @@ def test_the_roofline_separates_the_pools(prometheus):
     ):
         value = float(assert_data(prometheus, expr, False, "KV transfer")[0]["value"][1])
         assert value > 0, f"{expr} is {value}: no KV crossed from prefill to decode"
+
+
+def test_the_metrics_show_each_placement_decision(prometheus):
+    """The adaptive default computes short prompts on the decode node and long ones on the
+    prefill node; each decision is counted, and each hand-over's gap observed."""
+    placed = {
+        sample["metric"]["where"]: float(sample["value"][1])
+        for sample in assert_data(
+            prometheus, "sum by (where) (pdserve_prefill_placements_total)", False, "placements"
+        )
+    }
+    assert placed.get("local", 0) > 0 and placed.get("remote", 0) > 0, placed
+    gaps = assert_data(prometheus, "pdserve_handover_gap_seconds_count", False, "hand-overs")
+    assert float(gaps[0]["value"][1]) > 0
 
 
 def test_promtool_accepts_a_live_scrape(server, load):

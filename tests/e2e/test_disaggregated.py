@@ -30,11 +30,13 @@ MAX_OUTSTANDING = 4
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     """The default configuration (1P1D) in float32 (exact comparisons hold on any CPU), plus an
-    API key and a small admission limit."""
+    API key and a small admission limit, and every prompt prefilled on the prefill node (the
+    seam under test; test_default_config.py serves the adaptive default)."""
     work = tmp_path_factory.mktemp("serve-1p1d")
     config = work / "pdserve.yaml"
     config.write_text(
-        f"router: {{api_key: {API_KEY}, max_outstanding_requests: {MAX_OUTSTANDING}}}\n"
+        f"router: {{api_key: {API_KEY}, max_outstanding_requests: {MAX_OUTSTANDING},\n"
+        "         placement: {mode: remote}}\n"
         "engine: {dtype: float32}\n"
     )
     server = start_server(work, "--config", str(config), api_key=API_KEY)

@@ -19,8 +19,10 @@ from tests.e2e.conftest import finish_server, start_server
 FULL = os.environ.get("PDSERVE_PARITY") == "full"
 SYSTEMS = ("vllm", "colocated", "disaggregated")
 CONFIG = {
-    "colocated": "mode: colocated\n",
-    "disaggregated": "mode: disaggregated\n",
+    "colocated": "mode: colocated\nrouter: {enable_prompt_tokens_details: true}\n",
+    # every prompt across the seam (the adaptive default would keep short ones on one engine)
+    "disaggregated": "mode: disaggregated\n"
+    "router: {enable_prompt_tokens_details: true, placement: {mode: remote}}\n",
 }
 
 
@@ -42,10 +44,7 @@ def _serve(system: str, model_dir, work):
     @contextlib.contextmanager
     def pdserve():
         config = work / "pdserve.yaml"
-        config.write_text(
-            CONFIG[system]
-            + "engine: {dtype: float32}\nrouter: {enable_prompt_tokens_details: true}\n"
-        )
+        config.write_text(CONFIG[system] + "engine: {dtype: float32}\n")
         server = start_server(work, "--config", str(config))
         try:
             yield server.url

@@ -178,3 +178,93 @@ def test_bench_refuses_bad_settings_and_unreachable_endpoints(tmp_path, capsys):
     args = ["bench", "run", "--url", url, "--workload", "interference", "--arrivals", "concurrency"]
     assert main([*args, "--out", out]) == 2
     assert "needs timed arrivals" in capsys.readouterr().err
+
+
+# ---- the rate sweep (pdserve/bench/sweep.py) ---------------------------------------------------
+
+
+def _streamed(ttft: float, gaps: list[float], kind: str = "steady", ok: bool = True):
+    times, now = [ttft], ttft
+    for gap in gaps:
+        now += gap
+        times.append(now)
+    return RequestRecord(
+        0, kind, 64, 0.0, times, [1] * len(times), len(times), now if ok else None,
+        None if ok else "HTTP 503",
+    )  # fmt: skip
+
+
+def test_slos_judge_first_token_tpot_and_the_longest_gap():
+    from pdserve.bench.sweep import Slo, attainment, max_gap
+
+    distserve = Slo("DistServe", 1.0, tpot_s=0.08)
+    smooth = Slo("smooth", 1.0, max_gap_s=0.25)
+    steady = _streamed(0.2, [0.05] * 10)
+    stalled = _streamed(0.2, [0.05] * 20 + [0.6])  # TPOT 0.076: DistServe passes, a reader notices
+    late = _streamed(1.5, [0.05] * 10)
+    assert max_gap(stalled) == pytest.approx(0.6)
+    assert distserve.met(steady) and smooth.met(steady)
+    assert distserve.met(stalled) and not smooth.met(stalled)
+    assert not distserve.met(late) and not smooth.met(late)
+    assert not smooth.met(_streamed(0.2, [0.05], ok=False))  # a failed request misses
+    long = _streamed(5.0, [0.05], kind="long")  # the disturbance is not judged
+    assert attainment([steady, stalled, late, long], smooth) == pytest.approx(1 / 3)
+    assert attainment([long], smooth) is None
+
+
+def test_the_highest_rate_at_ninety_percent_interpolates_the_crossing():
+    from pdserve.bench.sweep import highest_rate
+
+    assert highest_rate([(1, 1.0), (2, 0.95), (4, 0.5)]) == {
+        "rate": pytest.approx(2 + 2 * 0.05 / 0.45),
+        "bound": "=",
+    }
+    assert highest_rate([(2, 0.8), (1, 0.5)]) == {"rate": 1, "bound": "<"}
+    assert highest_rate([(1, 1.0), (3, 0.91)]) == {"rate": 3, "bound": "≥"}
+    # the first fall below the goal counts, not a later recovery (noise)
+    assert highest_rate([(1, 1.0), (2, 0.5), (3, 0.95)])["rate"] == pytest.approx(1.2)
+    assert highest_rate([]) == {"rate": None, "bound": None}
+
+
+def test_handover_percentiles_come_from_the_histogram_buckets():
+    from pdserve.bench.sweep import bucket_quantile, placement_figures
+
+    text = "\n".join(
+        [
+            "# TYPE pdserve_handover_gap_seconds histogram",
+            'pdserve_handover_gap_seconds_bucket{le="0.02"} 0.0',
+            'pdserve_handover_gap_seconds_bucket{le="0.04"} 50.0',
+            'pdserve_handover_gap_seconds_bucket{le="0.1"} 100.0',
+            'pdserve_handover_gap_seconds_bucket{le="+Inf"} 100.0',
+            "pdserve_handover_gap_seconds_count 100.0",
+            "pdserve_handover_gap_seconds_sum 4.0",
+            "# TYPE pdserve_prefill_placements_total counter",
+            'pdserve_prefill_placements_total{reason="stall",where="remote"} 7.0',
+            "",
+        ]
+    )
+    figures = placement_figures(text)
+    assert figures["handover_gaps"] == 100
+    assert figures["handover_gap_p50_s"] == pytest.approx(0.04)
+    assert figures["handover_gap_p99_s"] == pytest.approx(0.04 + 0.06 * 49 / 50)
+    assert figures["placements"] == {"remote/stall": 7.0}
+    assert bucket_quantile([], 0.5) is None
+
+
+def test_sweep_configs_set_the_placement_and_the_overrides(tmp_path):
+    import yaml
+
+    from pdserve.bench.sweep import pdserve_config
+    from pdserve.config import ConfigError, load_config
+    from tests.conftest import REPO
+
+    path = pdserve_config("remote", REPO, tmp_path, ["kv_transfer.load=async", "engine.seed=3"])
+    config = load_config(path)
+    assert config.router.placement.mode == "remote" and config.kv_transfer.load == "async"
+    assert config.engine.seed == 3 and config.mode == "disaggregated"
+    colocated = yaml.safe_load(pdserve_config("colocated", REPO, tmp_path).read_text())
+    assert colocated["mode"] == "colocated" and "placement" not in colocated.get("router", {})
+    with pytest.raises(ConfigError, match="router.placement.mode"):
+        pdserve_config("remote", REPO, tmp_path, ["router.placement.mode=both"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        pdserve_config("remote", REPO, tmp_path, ["engine"])

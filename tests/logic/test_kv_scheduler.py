@@ -22,8 +22,9 @@ def producer() -> ProducerScheduler:
     return s
 
 
-def consumer() -> ConsumerScheduler:
-    return ConsumerScheduler(SETTINGS)
+def consumer(load: str = "async") -> ConsumerScheduler:
+    settings = ConnectorSettings(secret="x", lease_s=30, load=load)
+    return ConsumerScheduler(settings, block_size=128)
 
 
 def request(rid: str, prompt_tokens: int, params: dict | None):
@@ -84,6 +85,36 @@ def test_consumer_loads_what_the_producer_computed_minus_local_hits():
     assert req.kv_transfer_params["do_remote_prefill"] is False
     s.update_state_after_alloc(req, Blocks([3, 7, 8], fresh=[7, 8]), 172)  # second call: no-op
     assert not s.take_pulls()
+
+
+def test_a_sync_consumer_loads_all_but_the_token_it_computes_in_the_same_step():
+    """`load: sync`: the request is scheduled at once, computing what is not matched, so the
+    match leaves at least one token; the pull covers the blocks of the matched tokens only (not
+    the block vLLM allocated for the token it computes), after the local cache hit."""
+    s = consumer("sync")
+    # 256-token prompt + the producer's token: 256 loaded (2 blocks), 1 computed (a 3rd block)
+    req = request("d-20", 257, handle_params([10, 11], 256))
+    assert s.get_num_new_matched_tokens(req, 0) == (256, False)
+    s.update_state_after_alloc(req, Blocks([5, 6, 7], fresh=[]), 256)
+    spec = s.take_pulls()["d-20"]
+    assert spec.sync and spec.local_block_ids == [5, 6] and spec.remote_block_ids == [10, 11]
+    assert not s.is_receiving("d-20")  # loaded before the step's forward: nothing in flight
+    # the bare prompt (first token on the decode node): its last token is recomputed here
+    bare = request("d-21", 300, handle_params([10, 11, 12], 300))
+    assert s.get_num_new_matched_tokens(bare, 128) == (171, False)
+    s.update_state_after_alloc(bare, Blocks([3, 7, 8], fresh=[]), 171)
+    spec = s.take_pulls()["d-21"]
+    assert spec.local_block_ids == [7, 8] and spec.remote_block_ids == [11, 12]
+
+
+def test_a_sync_consumer_fails_a_broken_handle_on_its_blocks():
+    s = consumer("sync")
+    req = request("d-22", 101, {"do_remote_prefill": True, "remote_host": "h"})
+    matched, load_async = s.get_num_new_matched_tokens(req, 0)
+    assert (matched, load_async) == (100, False)
+    s.update_state_after_alloc(req, Blocks([1], fresh=[]), matched)
+    spec = s.take_pulls()["d-22"]
+    assert spec.remote_block_ids == [] and spec.local_block_ids == [1]
 
 
 def test_consumer_with_everything_cached_loads_nothing():
@@ -186,7 +217,7 @@ def _connector(role: str, kind):
     from pdserve.kv.connector import PDServeConnector
 
     kv = SimpleNamespace(kv_connector_extra_config={"secret": "x"}, kv_role=role, engine_id="e")
-    config = _Config(kv_transfer_config=kv)
+    config = _Config(kv_transfer_config=kv, cache_config=SimpleNamespace(block_size=128))
     return PDServeConnector(config, kind or KVConnectorRole.SCHEDULER, None)
 
 
@@ -214,3 +245,51 @@ def test_no_scheduler_hook_raises_into_vllm():
     req = request("d-12", 50, {"do_remote_decode": True})
     req.status = None
     assert connector.request_finished(req, [1, 2]) == (False, None)
+
+
+class _Client:
+    """Stands in for the KV client: a pull moves 1000 bytes, or fails for the hosts listed."""
+
+    def __init__(self, failing: tuple[str, ...] = ()) -> None:
+        self.failing, self.pulled = failing, []
+
+    def pull(self, handle, remote, local, tp_rank, deadline):
+        from pdserve.kv.wire import TransferError
+
+        if handle.request_id in self.failing:
+            raise TransferError("connect", "refused")
+        self.pulled.append(list(local))
+        return 1000
+
+
+def _worker(client: _Client):
+    from decode_node.kv_consumer import ConsumerWorker
+    from pdserve.kv.stats import TransferStats
+
+    worker = ConsumerWorker(SETTINGS, plane=None, stats=TransferStats(), tp_rank=0)
+    worker.client = client  # no data plane: the fake client stands in for the pulls
+    return worker
+
+
+def _spec(request_id: str, local: list[int], sync: bool):
+    from decode_node.kv_consumer import RecvSpec
+
+    params = {**handle_params([1, 2], 256), "remote_request_id": request_id}
+    return RecvSpec(params, [1, 2], local, sync=sync)
+
+
+def test_sync_pulls_end_before_the_step_and_report_failures_as_blocks():
+    """`start` returns only when this step's sync pulls ended (the forward reads their blocks); a
+    failed one names its local blocks for vLLM's failure policy and is never reported as a
+    finished async receive. Async pulls end in `results`."""
+    worker = _worker(_Client(failing=("bad",)))
+    worker.start({"ok": _spec("ok", [5, 6], True), "bad": _spec("bad", [7, 8], True)})
+    assert worker.client.pulled == [[5, 6]]
+    assert worker.load_errors() == {7, 8} and worker.load_errors() == set()
+    assert worker.results() == (set(), set())
+    worker.start({"later": _spec("later", [9], False)})
+    deadline = time.monotonic() + 5
+    while not (got := worker.results())[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == ({"later"}, set())
+    worker.close()

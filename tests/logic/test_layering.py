@@ -24,7 +24,7 @@ ALLOWED = {
     "prefill_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "decode_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "router": {"pdserve.engine", "pdserve.kv", "pdserve_proto"},
-    "pdserve.bench": {"pdserve.model_prep"},
+    "pdserve.bench": {"pdserve.model_prep", "pdserve.config"},
     "pdserve.serve": {
         "pdserve.config",
         "pdserve.engine",

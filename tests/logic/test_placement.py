@@ -1,0 +1,195 @@
+"""Per-request prefill placement (router/placement.py) and its place in dispatch, over fake nodes:
+the three modes' rules, the live inputs the adaptive rule reads, the hand-over gap it learns, and
+that a local decision serves the request on its decode node with no hand-over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve.engine.types import NodeInfo, NodeStats
+from router.metrics import RouterMetrics
+from router.nodes import Node
+from router.placement import DECISIONS, LOCAL, REMOTE, Placement, prefill_rate
+from router.retry import RetryPolicy, runs
+from tests.helpers.fake_nodes import FakeNode, disaggregated, prepared
+
+
+def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding: int = 0):
+    stats = NodeStats()
+    if rate is not None:  # ten seconds of prompt compute at `rate` tokens/s
+        stats.prompt_busy_seconds_total = 10.0
+        stats.prompt_tokens_computed_total = int(rate * 10)
+    n = Node(name, FakeNode(name), NodeInfo(name, 1, "ray", 2048, 16, 0.1), stats=stats)
+    n.prefilling_tokens, n.outstanding = prefilling, outstanding
+    return n
+
+
+def test_remote_mode_always_hands_over():
+    placement = Placement("remote")
+    assert placement.decide(1, node("d"), [node("p")]).where == REMOTE
+    assert placement.decide(1, node("d"), []).where == LOCAL  # nobody to hand over from
+
+
+def test_threshold_mode_splits_on_prompt_length():
+    placement = Placement("threshold", threshold_tokens=256)
+    assert placement.decide(256, node("d"), [node("p")]).where == LOCAL
+    assert placement.decide(257, node("d"), [node("p")]).where == REMOTE
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown placement mode 'both'"):
+        Placement("both")
+
+
+def test_a_rate_needs_measured_prompt_compute():
+    assert prefill_rate(node("fresh")) is None
+    assert prefill_rate(node("measured", rate=500)) == pytest.approx(500)
+
+
+def test_adaptive_keeps_a_short_prompt_on_an_idle_decode_node():
+    """Equal rates, empty queues: local saves the hand-over."""
+    placement = Placement("adaptive", initial_handover_s=0.1)
+    decision = placement.decide(64, node("d", rate=500), [node("p", rate=500)])
+    assert decision.where == LOCAL and decision.reason == "local_faster"
+
+
+def test_adaptive_sends_a_long_prompt_away_from_the_decode_node():
+    """1536 tokens at 500 tokens/s would hold the decode node's steps for 3 s: its streams, and
+    those that start meanwhile, would wait — even though local would be the faster first token."""
+    placement = Placement("adaptive", stall_budget_s=0.15)
+    for streams in (3, 0):
+        decode = node("d", rate=500, outstanding=streams)
+        decision = placement.decide(1536, decode, [node("p", rate=500)])
+        assert decision.where == REMOTE and decision.reason == "stall"
+    estimate = placement.estimate(1536, node("d", rate=500), [node("p", rate=500)])
+    assert estimate.local_ttft_s < estimate.remote_ttft_s
+
+
+def test_a_backed_up_prefill_pool_lends_the_decode_node_its_prompts():
+    """Past the stall budget, a prompt still stays local when the prefill node's queue would
+    push its first token beyond the TTFT SLO and the decode node would not."""
+    placement = Placement("adaptive", stall_budget_s=0.15, ttft_slo_s=1.0)
+    backlog = [node("p", rate=500, prefilling=1000)]  # 2 s of queued prompts
+    decision = placement.decide(128, node("d", rate=500, outstanding=4), backlog)
+    assert (decision.where, decision.reason) == (LOCAL, "prefill_backlog")
+    # a short queue: the stall rule holds
+    decision = placement.decide(128, node("d", rate=500, outstanding=4), [node("p", rate=500)])
+    assert (decision.where, decision.reason) == (REMOTE, "stall")
+    # a prompt too long for the SLO either way goes where the stall is harmless
+    decision = placement.decide(1536, node("d", rate=500), backlog)
+    assert (decision.where, decision.reason) == (REMOTE, "stall")
+
+
+def test_adaptive_step_cap_bounds_the_stall():
+    """With the engines capping a prompt's tokens per step, only one step's share stalls."""
+    capped = Placement("adaptive", stall_budget_s=0.15, step_cap_tokens=64)
+    decode = node("d", rate=1000, outstanding=2)
+    assert capped.estimate(1024, decode, [node("p", rate=1000)]).stall_s == pytest.approx(0.064)
+    assert capped.decide(1024, decode, [node("p", rate=1000)]).where == LOCAL
+    uncapped = Placement("adaptive").estimate(1024, decode, [node("p", rate=1000)])
+    assert uncapped.stall_s == pytest.approx(1.024)
+
+
+def test_adaptive_goes_where_the_queue_is_shorter():
+    """A short prompt behind 2000 queued tokens on the prefill node stays local; one behind a
+    long local prefill on the decode node goes remote."""
+    placement = Placement("adaptive")
+    busy_prefill = [node("p", rate=1000, prefilling=2000)]
+    assert placement.decide(64, node("d", rate=1000, outstanding=1), busy_prefill).where == LOCAL
+    busy_decode = node("d", rate=1000, prefilling=1000)
+    decision = placement.decide(64, busy_decode, [node("p", rate=1000)])
+    assert decision.where == REMOTE and decision.reason == "remote_faster"
+    # of two prefill nodes, the estimate reads the one with less queued
+    two = [node("p0", rate=1000, prefilling=5000), node("p1", rate=1000)]
+    estimate = placement.estimate(64, busy_decode, two)
+    assert estimate.remote_ttft_s == pytest.approx(0.064 + placement.handover_s)
+
+
+def test_adaptive_uses_measured_rates_before_the_assumed_one():
+    """A decode node that never prefilled borrows the prefill node's measured rate; with no
+    measurement anywhere the configured one stands in."""
+    placement = Placement("adaptive", assumed_prefill_tokens_per_s=100.0, initial_handover_s=0)
+    estimate = placement.estimate(100, node("d"), [node("p", rate=1000)])
+    assert estimate.local_ttft_s == pytest.approx(0.1)
+    assert placement.estimate(100, node("d"), [node("p")]).local_ttft_s == pytest.approx(1.0)
+    # a faster prefill pool pays for the hand-over
+    faster = placement.decide(60, node("d", rate=500), [node("p", rate=5000)])
+    assert (faster.where, faster.reason) == (REMOTE, "remote_faster")
+
+
+def test_the_handover_estimate_follows_measurements():
+    placement = Placement("adaptive", initial_handover_s=1.0)
+    for _ in range(40):
+        placement.observe_handover(0.02)
+    assert placement.handover_s == pytest.approx(0.02, abs=1e-3)
+
+
+async def run(dispatcher, request):
+    out = []
+    deadline = time.monotonic() + 30
+    async for delta in runs(dispatcher, request, deadline, RetryPolicy(3), lambda e: None):
+        out.append(delta)
+    return [t for d in out for t in d.token_ids]
+
+
+async def test_a_local_decision_is_served_whole_by_the_decode_node():
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    dispatcher.placement = Placement("threshold", threshold_tokens=8)
+    decisions = []
+    dispatcher.on_placement = decisions.append
+    assert await run(dispatcher, prepared(max_tokens=3, prompt_len=8)) == [104, 105, 106]
+    assert not p.calls and [c.method for c in d.calls] == ["generate"]
+    assert await run(dispatcher, prepared(max_tokens=3, prompt_len=9)) == [105, 106, 107]
+    assert [c.method for c in p.calls] == ["prefill"]
+    assert [(x.where, x.reason) for x in decisions] == [("local", "short"), ("remote", "long")]
+
+
+async def test_a_remote_prefill_measures_its_handover_gap():
+    p, d = FakeNode("p0"), FakeNode("d0", delay_s=0.05)
+    dispatcher = disaggregated([p], [d])
+    gaps = []
+    dispatcher.on_handover = gaps.append
+    await run(dispatcher, prepared(max_tokens=4))
+    assert len(gaps) == 1 and 0.05 <= gaps[0] < 5
+    assert dispatcher.placement.handover_s != 0.1  # learned from it
+
+
+async def test_queued_prefill_work_is_counted_until_the_first_token():
+    """`prefilling_tokens` is the prompt work a node has not answered yet: counted while the
+    prefill runs, cleared by its first token (and by a cancelled call)."""
+    p, d = FakeNode("p0", delay_s=0.2), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    prefill_node = dispatcher.prefill.nodes[0]
+    task = asyncio.create_task(run(dispatcher, prepared(max_tokens=3, prompt_len=10)))
+    deadline = time.monotonic() + 5
+    while not p.calls and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    assert prefill_node.prefilling_tokens == 10
+    await task
+    assert prefill_node.prefilling_tokens == 0
+    assert dispatcher.decode.nodes[0].prefilling_tokens == 0  # a decode leg computes no prompt
+
+
+def test_the_metrics_count_each_decision_from_zero():
+    dispatcher = disaggregated([FakeNode("p0")], [FakeNode("d0")])
+    dispatcher.placement = Placement("adaptive")
+    metrics = RouterMetrics(dispatcher.pools, "disaggregated")
+    metrics.watch(dispatcher)
+    text = metrics_text(metrics)
+    for reason, where in DECISIONS["adaptive"].items():
+        assert f'pdserve_prefill_placements_total{{reason="{reason}",where="{where}"}} 0.0' in text
+    dispatcher.on_placement(Placement("threshold").decide(1, node("d"), [node("p")]))
+    dispatcher.on_handover(0.03)
+    text = metrics_text(metrics)
+    assert 'pdserve_prefill_placements_total{reason="short",where="local"} 1.0' in text
+    assert 'pdserve_handover_gap_seconds_bucket{le="0.04"} 1.0' in text
+
+
+def metrics_text(metrics: RouterMetrics) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(metrics.registry).decode()
