@@ -37,10 +37,10 @@ bench: setup
 		--out results/bench/interference $(ARGS)
 
 # the rate sweep in results/bench/sweep/README.md: pdserve adaptive, remote and colocated and plain
-# vLLM's OpenAI server on the same 2 cores, both mixes, SLO attainment per rate (~50 min)
+# vLLM's OpenAI server on the same 2 cores, both mixes, SLO attainment per rate (~45 min)
 sweep: setup
 	$(VENV)/bin/pdserve bench sweep --systems adaptive remote colocated vllm \
-		--rates 1 2 3 4 6 --duration-s 45 --out results/bench/sweep $(ARGS)
+		--rates 1 2 3 4 5 --duration-s 40 --timeout-s 60 --out results/bench/sweep $(ARGS)
 
 bench-kv: setup
 	$(VENV)/bin/python benchmarks/kv_transport.py

@@ -140,16 +140,16 @@ class PlacementConfig(_Strict):
 
     mode: Literal["remote", "threshold", "adaptive"] = "adaptive"
     """`remote`: always a prefill node; `threshold`: prompts of at most `threshold_tokens` local;
-    `adaptive`: whichever gives the earlier first token without stalling the decode node's
-    streams past `stall_budget_s`."""
+    `adaptive`: a prefill node while its first token is estimated within `ttft_target_s`, else
+    the decode node when that is sooner and stalls its streams at most `stall_budget_s`."""
     threshold_tokens: int = Field(256, ge=0)
     """`threshold` mode: the longest prompt computed on its decode node."""
     stall_budget_s: float = Field(0.15, ge=0)
     """`adaptive` mode: the most a local prompt may add to one step of the decode node's running
     streams (0.25 s is a gap a reader notices)."""
-    ttft_slo_s: float = Field(1.0, gt=0)
-    """`adaptive` mode: a prompt whose first token a backed-up prefill pool would give after this
-    long, and its decode node before, is computed on the decode node even past the stall budget."""
+    ttft_target_s: float = Field(0.5, gt=0)
+    """`adaptive` mode: a prompt goes to a prefill node while its first token there is estimated
+    within this (half the 1 s TTFT SLO of the benchmarks, for margin)."""
     assumed_prefill_tokens_per_s: float = Field(1000.0, gt=0)
     """`adaptive` mode: the prefill rate assumed for a node until its engine has measured its
     own (any node's measured rate is used first)."""

@@ -9,22 +9,26 @@
 Three modes (`router.placement.mode`):
 - `remote`: every prompt on a prefill node (pdserve 0.2's behaviour).
 - `threshold`: prompts of at most `threshold_tokens` tokens local, longer ones remote.
-- `adaptive` (default): estimate each side's time to first token from live state,
-      local  = (Qd + L) / Rd
-      remote = (Qp + L) / Rp + H
-  where L is the prompt's length, Qd / Qp the prompt tokens the router has sent the decode node /
-  the least-loaded prefill node to compute and not yet seen a token of, Rd / Rp their prefill
-  rates in tokens/s (each engine's own prompt tokens per second of prompt compute, from its
-  stats; another node's, or `assumed_prefill_tokens_per_s`, before it has any), and H the recent
-  hand-over gap (prefill token to the decode node's first token, an exponential average of what
-  the router measures). Local wins when it is no slower and the prompt would not stall the
-  decode node's streams past `stall_budget_s`: a step holding the prompt takes about
-  min(L, step cap) / Rd longer (`step cap`: the engines' `long_prefill_token_threshold`, 0 for
-  none). The stall counts even on a node with no stream yet: the streams that start while it
-  computes wait too. One exception: when the prefill pool is so backed up that the remote first
-  token would come after `ttft_slo_s` and the local one before, the prompt stays local (reason
-  `prefill_backlog`): one long step for the node's streams rather than a missed first token,
-  and the decode node's compute helps a prefill pool too small for the traffic.
+- `adaptive` (default): remote while that meets the first-token target, local when it would not
+  and local would do better without stalling the decode node. From live state,
+      remote = (Qp + L) / Rp + H          local = (Qd + L) / Rd          stall = min(L, cap) / Rd
+  where L is the prompt's length, Qp / Qd the prompt tokens the router has sent the
+  least-loaded prefill node / the decode node to compute and not yet seen a token of, Rp / Rd
+  their prefill rates in tokens/s (each engine's own prompt tokens per second of prompt compute,
+  from its stats; another node's, or `assumed_prefill_tokens_per_s`, before it has any), H the
+  recent hand-over gap (prefill token to the decode node's first token, an exponential average of
+  what the router measures), and cap the engines' `long_prefill_token_threshold` (0: none).
+  The rule:
+  1. remote ≤ `ttft_target_s` → remote (`remote_in_time`): the decode node's steps stay pure
+     decode, which is what it is there for; the prefill pool's compute is used.
+  2. otherwise (the prefill pool is backed up, typically behind a long prompt), local when local
+     < remote and stall ≤ `stall_budget_s` (`prefill_backlog`): a short prompt does not wait for
+     a long prompt's whole prefill. The stall counts even on a node with no stream yet: the
+     streams that start while it computes wait too.
+  3. otherwise remote (`stall`, or `remote_faster`).
+  Measured first with "local whenever it is no slower": short prompts all moved onto the decode
+  node, whose one core then both prefilled and decoded, and the steady mix's capacity fell to
+  0.6× the remote mode's (results/bench/sweep/README.md).
 The router sees prompt lengths, not the engines' prefix caches: L is the whole prompt.
 Decisions are counted in `pdserve_prefill_placements_total{where, reason}`.
 """
@@ -43,7 +47,7 @@ DECISIONS: dict[str, dict[str, Where]] = {
     "remote": {"mode": REMOTE},
     "threshold": {"short": LOCAL, "long": REMOTE},
     "adaptive": {
-        "local_faster": LOCAL,
+        "remote_in_time": REMOTE,
         "prefill_backlog": LOCAL,
         "remote_faster": REMOTE,
         "stall": REMOTE,
@@ -91,7 +95,7 @@ class Placement:
         assumed_prefill_tokens_per_s: float = 1000.0,
         initial_handover_s: float = 0.1,
         step_cap_tokens: int = 0,
-        ttft_slo_s: float = 1.0,
+        ttft_target_s: float = 0.5,
     ) -> None:
         if mode not in DECISIONS:
             raise ValueError(f"unknown placement mode {mode!r}; known: {', '.join(DECISIONS)}")
@@ -101,7 +105,7 @@ class Placement:
         self.assumed_rate = assumed_prefill_tokens_per_s
         self.handover_s = initial_handover_s
         self.step_cap_tokens = step_cap_tokens
-        self.ttft_slo_s = ttft_slo_s
+        self.ttft_target_s = ttft_target_s
 
     @classmethod
     def from_config(cls, config, step_cap_tokens: int = 0) -> Placement:
@@ -112,7 +116,7 @@ class Placement:
             config.stall_budget_s,
             config.assumed_prefill_tokens_per_s,
             step_cap_tokens=step_cap_tokens,
-            ttft_slo_s=config.ttft_slo_s,
+            ttft_target_s=config.ttft_target_s,
         )
 
     def observe_handover(self, seconds: float) -> None:
@@ -130,13 +134,13 @@ class Placement:
                 return Decision(LOCAL, "short")
             return Decision(REMOTE, "long")
         estimate = self.estimate(prompt_tokens, decode, prefill)
-        if estimate.local_ttft_s > estimate.remote_ttft_s:
+        if estimate.remote_ttft_s <= self.ttft_target_s:
+            return Decision(REMOTE, "remote_in_time")
+        if estimate.local_ttft_s >= estimate.remote_ttft_s:
             return Decision(REMOTE, "remote_faster")
-        if estimate.stall_s <= self.stall_budget_s:
-            return Decision(LOCAL, "local_faster")
-        if estimate.remote_ttft_s > self.ttft_slo_s >= estimate.local_ttft_s:
-            return Decision(LOCAL, "prefill_backlog")
-        return Decision(REMOTE, "stall")
+        if estimate.stall_s > self.stall_budget_s:
+            return Decision(REMOTE, "stall")
+        return Decision(LOCAL, "prefill_backlog")
 
     def estimate(self, prompt_tokens: int, decode: Node, prefill: list[Node]) -> Estimate:
         target = min(prefill, key=lambda node: node.prefilling_tokens)

@@ -328,18 +328,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     rates = sorted(args.rates)
     points: dict = {mix: {} for mix in args.mixes}
     records: dict[str, list[RequestRecord]] = {}
-    placement: dict = {}
     for system in args.systems:
         work = compare.scratch(out, system)
         logger.info("starting %s", system)
         with _system(system, work, args.overrides) as url:
             for mix in args.mixes:
                 got: dict = {}
-                sweep_.run_points(url, mix, rates, args, got, points[mix].setdefault(system, {}))
+                disaggregated = system not in ("colocated", "vllm")
+                by_rate = points[mix].setdefault(system, {})
+                sweep_.run_points(url, mix, rates, args, got, by_rate, disaggregated)
                 records.update({f"{system}/{mix}/{rate}": r for rate, r in got.items()})
-            if system in ("adaptive", "remote"):
-                metrics = httpx.get(f"{url}/metrics", timeout=10).text
-                placement[system] = sweep_.placement_figures(metrics)
     results = {
         "settings": {
             key: getattr(args, key)
@@ -354,7 +352,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "settings (bf16, eager, max_model_len 2048, 64 sequences, tcmalloc and Intel OpenMP "
         "preloaded), fresh server per system.",
         "points": points,
-        "placement": placement,
     }
     results["headline"] = sweep_.headline(results, args.slos)
     out.mkdir(parents=True, exist_ok=True)

@@ -143,24 +143,36 @@ def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str]
     return path
 
 
-def placement_figures(text: str) -> dict:
-    """From a pdserve router's /metrics text: placement decisions, and the hand-over gap's
-    count and p50 / p99 interpolated within the histogram's buckets."""
+def placement_snapshot(text: str) -> dict:
+    """From a pdserve router's /metrics text: placement decisions and the hand-over gap's
+    cumulative histogram buckets."""
     from prometheus_client.parser import text_string_to_metric_families
 
     placements: dict[str, float] = {}
-    buckets: list[tuple[float, float]] = []
+    buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve_prefill_placements_total":
                 placements[f"{s.labels['where']}/{s.labels['reason']}"] = s.value
             elif s.name == "pdserve_handover_gap_seconds_bucket":
-                buckets.append((float(s.labels["le"]), s.value))
-    buckets.sort()
-    count = buckets[-1][1] if buckets else 0.0
+                buckets[float(s.labels["le"])] = s.value
+    return {"placements": placements, "buckets": buckets}
+
+
+def placement_figures(after: str, before: str | None = None) -> dict:
+    """Placement decisions and the hand-over gap's count and p50 / p99 (interpolated within the
+    histogram's buckets) between two /metrics texts (or since the start)."""
+    now = placement_snapshot(after)
+    then = placement_snapshot(before) if before else {"placements": {}, "buckets": {}}
+    placements = {
+        key: value - then["placements"].get(key, 0.0) for key, value in now["placements"].items()
+    }
+    buckets = sorted(
+        (bound, count - then["buckets"].get(bound, 0.0)) for bound, count in now["buckets"].items()
+    )
     return {
         "placements": placements,
-        "handover_gaps": count,
+        "handover_gaps": buckets[-1][1] if buckets else 0.0,
         "handover_gap_p50_s": bucket_quantile(buckets, 0.5),
         "handover_gap_p99_s": bucket_quantile(buckets, 0.99),
     }
@@ -182,10 +194,22 @@ def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float |
 
 
 def run_points(
-    url: str, mix: str, rates: Sequence[float], args, records: dict, points: dict
+    url: str,
+    mix: str,
+    rates: Sequence[float],
+    args,
+    records: dict,
+    points: dict,
+    disaggregated: bool = False,
 ) -> None:
-    """Every rate of one mix against one running system (after an unrecorded warm-up)."""
+    """Every rate of one mix against one running system (after an unrecorded warm-up); for
+    pdserve 1P1D, each point's placements and hand-over gaps from the router's /metrics."""
+    import httpx
+
     from pdserve.bench.client import run_load, served_model
+
+    def metrics() -> str | None:
+        return httpx.get(f"{url}/metrics", timeout=10).text if disaggregated else None
 
     workload = MIXES[mix]
     model = asyncio.run(served_model(url))
@@ -196,11 +220,14 @@ def run_points(
         count = max(1, math.ceil(rate * args.duration_s))
         requests = build_requests(workload, count, "poisson", rate, seed=args.seed)
         logger.info("%s at %.2f req/s: %d requests", mix, rate, len(requests))
+        before = metrics()
         got, duration = asyncio.run(
             run_load(url, requests, model, None, args.duration_s, None, args.timeout_s)
         )
         records[str(rate)] = got
         points[str(rate)] = point_summary(got, duration, args.slos)
+        if disaggregated:
+            points[str(rate)]["placement"] = placement_figures(metrics(), before)
 
 
 def text(results: dict, slos: Sequence[Slo]) -> str:
@@ -244,15 +271,23 @@ def text(results: dict, slos: Sequence[Slo]) -> str:
                 ]
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    placement = results.get("placement")
-    if placement:
-        lines += ["## Placement and hand-over (pdserve 1P1D, whole run)", ""]
-        lines += ["| system | decisions | hand-overs | gap p50 | gap p99 |", "|" + "---|" * 5]
-        for system, fig in placement.items():
+    rows = [
+        (mix, system, rate, p["placement"], p["itl_s"]["p50"])
+        for mix, by_system in results["points"].items()
+        for system, points in by_system.items()
+        for rate, p in points.items()
+        if p.get("placement")
+    ]
+    if rows:
+        lines += ["## Placement and hand-over (pdserve 1P1D, per point)", ""]
+        header = "| mix | system | rate | decisions | hand-overs | gap p50 | gap p99 | ITL p50 |"
+        lines += [header, "|" + "---|" * 8]
+        for mix, system, rate, fig, itl in rows:
             decisions = ", ".join(f"{k} {v:.0f}" for k, v in fig["placements"].items() if v)
             lines.append(
-                f"| {system} | {decisions or '–'} | {fig['handover_gaps']:.0f} | "
-                f"{_ms(fig['handover_gap_p50_s'])} | {_ms(fig['handover_gap_p99_s'])} |"
+                f"| {mix} | {system} | {rate} | {decisions or '–'} | {fig['handover_gaps']:.0f} "
+                f"| {_ms(fig['handover_gap_p50_s'])} | {_ms(fig['handover_gap_p99_s'])} "
+                f"| {_ms(itl)} |"
             )
         lines.append("")
     return "\n".join(lines) + "\n"

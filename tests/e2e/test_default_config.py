@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import shutil
@@ -343,16 +344,52 @@ def test_the_roofline_separates_the_pools(prometheus):
         assert value > 0, f"{expr} is {value}: no KV crossed from prefill to decode"
 
 
-def test_the_metrics_show_each_placement_decision(prometheus):
-    """The adaptive default computes short prompts on the decode node and long ones on the
-    prefill node; each decision is counted, and each hand-over's gap observed."""
+def _placements(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {
+        f"{s.labels['where']}/{s.labels['reason']}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "pdserve_prefill_placements_total"
+    }
+
+
+def test_a_short_prompt_does_not_wait_behind_long_prefills(server, prometheus):
+    """The adaptive default: two long prompts queued on the prefill node, a short prompt arriving
+    behind them is computed on its decode node (`prefill_backlog`); the long ones went to the
+    prefill node. Each decision is counted, and Prometheus sees both kinds."""
+    before = _placements(server)
+    long_prompts = [list(range(1000 + i, 2900 + i)) for i in (0, 1)]  # 1900 tokens each
+
+    def send(prompt) -> int:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        longs = [pool.submit(send, prompt) for prompt in long_prompts]
+        deadline = time.monotonic() + 60
+        while True:  # both long prompts queued on the prefill node (the router's own count)
+            nodes = httpx.get(f"{server.url}/health", timeout=10).json()["pools"]["prefill"]
+            if sum(n["prefilling_tokens"] for n in nodes["nodes"]) >= 3000:
+                break
+            assert time.monotonic() < deadline, "the long prompts never reached the prefill node"
+            assert not all(f.done() for f in longs), [f.result() for f in longs]
+            time.sleep(0.01)
+        assert send([1000, 1001, 1002, 1003]) == 200
+        assert [f.result() for f in longs] == [200, 200]
+    after = _placements(server)
+    assert after["local/prefill_backlog"] > before["local/prefill_backlog"], after
+    remote = sum(v - before[k] for k, v in after.items() if k.startswith("remote/"))
+    assert remote >= 2, after  # the long ones
     placed = {
         sample["metric"]["where"]: float(sample["value"][1])
         for sample in assert_data(
             prometheus, "sum by (where) (pdserve_prefill_placements_total)", False, "placements"
         )
     }
-    assert placed.get("local", 0) > 0 and placed.get("remote", 0) > 0, placed
+    assert set(placed) == {"local", "remote"}, placed
     gaps = assert_data(prometheus, "pdserve_handover_gap_seconds_count", False, "hand-overs")
     assert float(gaps[0]["value"][1]) > 0
 

@@ -249,6 +249,12 @@ def test_handover_percentiles_come_from_the_histogram_buckets():
     assert figures["handover_gap_p99_s"] == pytest.approx(0.04 + 0.06 * 49 / 50)
     assert figures["placements"] == {"remote/stall": 7.0}
     assert bucket_quantile([], 0.5) is None
+    # one point: what changed between two scrapes
+    earlier = text.replace("} 50.0", "} 40.0").replace("} 100.0", "} 50.0")
+    earlier = earlier.replace("} 7.0", "} 3.0")
+    point = placement_figures(text, earlier)
+    assert point["handover_gaps"] == 50 and point["placements"] == {"remote/stall": 4.0}
+    assert point["handover_gap_p50_s"] == pytest.approx(0.04 + 0.06 * 15 / 40)
 
 
 def test_sweep_configs_set_the_placement_and_the_overrides(tmp_path):

@@ -94,3 +94,24 @@ def test_the_api_key_comes_from_the_environment_and_a_public_bind_needs_one(monk
     assert PDServeConfig().router.api_key is None
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     assert "without an API key" in capsys.readouterr().err
+
+
+def test_cpu_engines_preload_what_is_installed(monkeypatch, tmp_path, caplog):
+    """`engine.cpu_preload` becomes the engine actors' LD_PRELOAD with the files found; a
+    library not installed is left out with a warning; GPU pools and [] preload nothing."""
+    from pdserve import config as config_module
+    from pdserve.config import EngineConfig, PoolConfig
+    from pdserve.engine.actor import engine_env
+
+    lib = tmp_path / "libiomp5.so"
+    lib.write_bytes(b"")
+    monkeypatch.setitem(config_module.CPU_PRELOADS, "iomp", (str(tmp_path / "libiomp*.so"),))
+    monkeypatch.setitem(config_module.CPU_PRELOADS, "tcmalloc", (str(tmp_path / "none*.so"),))
+    engine = EngineConfig()
+    assert engine.cpu_preload == ["tcmalloc", "iomp"]
+    with caplog.at_level("WARNING"):
+        env = engine_env(engine, PoolConfig(), 0)
+    assert env["LD_PRELOAD"] == str(lib)
+    assert "tcmalloc is not installed" in caplog.text
+    assert "LD_PRELOAD" not in engine_env(EngineConfig(cpu_preload=[]), PoolConfig(), 0)
+    assert "LD_PRELOAD" not in engine_env(engine, PoolConfig(num_gpus=1), 0)
