@@ -58,6 +58,10 @@ node every mode computes locally; that is the prefill fallback, counted on its o
 
 MIN_BUSY_S = 0.5
 """Prompt compute seconds a node needs behind its rate before the rate is trusted."""
+MIN_TOKENS_PER_PROMPT = 32
+"""Mean prompt tokens a node must compute per request for its rate to be a prefill rate: a
+decode node fed handed-over requests computes one prompt token each (the position after the
+loaded KV), so its tokens per prompt-second measure step overhead, not prefill speed."""
 HANDOVER_WEIGHT = 0.2
 """Weight of the newest measured hand-over gap in its running average."""
 
@@ -79,9 +83,12 @@ class Estimate:
 
 def prefill_rate(node: Node) -> float | None:
     """Prompt tokens per second of prompt compute, from the node's engine stats; None until it
-    has computed for `MIN_BUSY_S`."""
+    has computed for `MIN_BUSY_S`, or while its prompts are mostly one-token continuations."""
     stats = node.stats
     if stats.prompt_busy_seconds_total < MIN_BUSY_S or not stats.prompt_tokens_computed_total:
+        return None
+    per_prompt = stats.prompt_tokens_computed_total / max(1, stats.requests_started_total)
+    if per_prompt < MIN_TOKENS_PER_PROMPT:
         return None
     return stats.prompt_tokens_computed_total / stats.prompt_busy_seconds_total
 

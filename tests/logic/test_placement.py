@@ -19,9 +19,10 @@ from tests.helpers.fake_nodes import FakeNode, disaggregated, prepared
 
 def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding: int = 0):
     stats = NodeStats()
-    if rate is not None:  # ten seconds of prompt compute at `rate` tokens/s
+    if rate is not None:  # ten seconds of prompt compute at `rate` tokens/s, 100-token prompts
         stats.prompt_busy_seconds_total = 10.0
         stats.prompt_tokens_computed_total = int(rate * 10)
+        stats.requests_started_total = int(rate * 10) // 100
     n = Node(name, FakeNode(name), NodeInfo(name, 1, "ray", 2048, 16, 0.1), stats=stats)
     n.prefilling_tokens, n.outstanding = prefilling, outstanding
     return n
@@ -47,6 +48,10 @@ def test_unknown_mode_is_refused():
 def test_a_rate_needs_measured_prompt_compute():
     assert prefill_rate(node("fresh")) is None
     assert prefill_rate(node("measured", rate=500)) == pytest.approx(500)
+    # a decode node fed hand-overs: one computed prompt token per request is step overhead
+    decode = node("decode", rate=200)
+    decode.stats.requests_started_total = decode.stats.prompt_tokens_computed_total
+    assert prefill_rate(decode) is None
 
 
 def test_adaptive_uses_the_prefill_pool_while_it_is_in_time():
