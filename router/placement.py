@@ -74,7 +74,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Estimate:
-    """What the adaptive rule compared (seconds), kept for the log and the tests."""
+    """What the adaptive rule compares (seconds)."""
 
     local_ttft_s: float
     remote_ttft_s: float
