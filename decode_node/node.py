@@ -45,6 +45,8 @@ def decode_params(params: Any, handle: dict[str, Any], first_tokens: int) -> Any
 
 
 class DecodeNode(EngineActor):
+    ROLE = "decode"
+
     async def decode(
         self,
         request_id: str,

@@ -80,34 +80,107 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from pdserve.roofline.plan import Workload, build_plan, format_plan, plot_plan
     from pdserve.roofline.specs import SpecError, load_device, load_model
+    from pdserve.roofline.stepmodel import FitError, calibration_device, load_calibration
 
+    calibration = None
     try:
-        model = load_model(args.model, args.dtype)
-        device = load_device(
-            args.gpu,
-            args.devices_file,
-            args.peak_tflops,
-            args.bandwidth_gbs,
-            args.memory_gb,
-            args.interconnect_gbs,
-        )
+        if args.calibration:
+            calibration = load_calibration(args.calibration)
+        if calibration is not None and args.model is None:
+            model = calibration.model
+        else:
+            model = load_model(args.model or "llama-3-8b", args.dtype)
+        if calibration is not None and args.gpu is None:
+            device = calibration_device(calibration, args.memory_gb, args.interconnect_gbs, model)
+        else:
+            device = load_device(
+                args.gpu or "h100-sxm",
+                args.devices_file,
+                args.peak_tflops,
+                args.bandwidth_gbs,
+                args.memory_gb,
+                args.interconnect_gbs,
+            )
+        measured = {}
+        if args.workload_from:
+            from pdserve.bench.report import measured_workload
+
+            measured = measured_workload(args.workload_from, args.run)
+            print(
+                f"workload from {args.workload_from}: {measured['rate']:.2f} req/s, prompt "
+                f"{measured['prompt_len']} tokens, output {measured['output_len']} tokens (means "
+                f"over {measured['requests']} requests)",
+                file=sys.stderr,
+            )
         workload = Workload(
             batch=args.batch,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
+            prompt_len=measured.get("prompt_len", args.prompt_len),
+            output_len=measured.get("output_len", args.output_len),
             context=args.context,
-            rate=args.rate,
+            rate=measured.get("rate", args.rate),
             ttft_slo_s=args.ttft_slo,
             tpot_slo_s=args.tpot_slo,
         )
-    except (SpecError, ValueError) as error:
+    except (SpecError, FitError, ValueError, OSError) as error:
         print(f"pdserve plan: {error}", file=sys.stderr)
         return 2
-    plan = build_plan(model, device, workload)
+    plan = build_plan(model, device, workload, calibration)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     if args.plot:
         plot_plan(plan, args.plot)
         print(f"roofline chart written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _cmd_plan_calibrate(args: argparse.Namespace) -> int:
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    from pdserve.bench import calibrate
+    from pdserve.bench.compare import pdserve_server
+    from pdserve.roofline.stepmodel import FitError
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.no_traffic and not args.url:
+        print("pdserve plan calibrate: --no-traffic needs --url", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else None
+
+    def measure(url: str) -> tuple[list, list]:
+        alone = [] if args.no_traffic else asyncio.run(calibrate.drive(url, args.api_key))
+        return calibrate.fetch_steps(url, args.api_key), alone
+
+    try:
+        if args.url:
+            nodes, alone = measure(args.url.rstrip("/"))
+        else:
+            with tempfile.TemporaryDirectory(prefix="pdserve-calibrate-") as work:
+                with pdserve_server(args.config, Path(work)) as url:
+                    nodes, alone = measure(url)
+        results = calibrate.fit_nodes(nodes, out, args.skip_steps, alone)
+    except (FitError, RuntimeError, OSError) as error:
+        print(f"pdserve plan calibrate: {error}", file=sys.stderr)
+        return 1
+    if not results:
+        print("pdserve plan calibrate: no node reported step records", file=sys.stderr)
+        return 1
+    for result in results:
+        step, fit = result.fit.model, result.fit
+        print(
+            f"{result.device} / {result.model} ({', '.join(result.nodes)}): overhead "
+            f"{step.overhead_s * 1e3:.2f} ms/step + {step.per_sequence_s * 1e3:.3f} ms/sequence, "
+            f"achieved {step.flops / 1e9:.1f} GFLOP/s and {step.mem_bandwidth / 1e9:.1f} GB/s; "
+            f"{fit.steps} steps, error median {fit.median_error:.1%}, p90 {fit.p90_error:.1%}"
+        )
+        for role, own in result.roles.items():
+            print(
+                f"  {role} engines alone: {own.model.overhead_s * 1e3:.2f} ms/step + "
+                f"{own.model.per_sequence_s * 1e3:.3f} ms/sequence, "
+                f"{own.model.flops / 1e9:.1f} GFLOP/s, {own.model.mem_bandwidth / 1e9:.1f} GB/s; "
+                f"error median {own.median_error:.1%}"
+            )
+        print(f"  saved {result.path}")
     return 0
 
 
@@ -119,20 +192,34 @@ def _add_plan_parser(commands) -> None:
         help="roofline planner: intensity, ridge point, KV memory, chunk size, TTFT/TPOT, P:D",
         description="Apply the roofline model to a model and a device: per-layer FLOPs, bytes and "
         "arithmetic intensity for prefill (batch x prompt tokens) and decode (batch tokens), "
-        "the ridge point, KV cache sizing, the recommended chunk size, roofline TTFT/TPOT, KV "
-        "transfer time and a P:D ratio for a request rate.",
+        "the ridge point, KV cache sizing, the recommended chunk size, TTFT/TPOT, KV transfer "
+        "time and a P:D ratio for a request rate. With --calibration, TTFT, TPOT, the chunk and "
+        "P:D come from a step-time model fitted on the device (`pdserve plan calibrate`); "
+        "without, from the roofline at datasheet peaks.",
     )
     plan.add_argument(
         "--model",
-        default="llama-3-8b",
-        help=f"preset ({', '.join(PRESETS)}), a model folder or a config.json (default llama-3-8b)",
+        help=f"preset ({', '.join(PRESETS)}), a model folder or a config.json (default "
+        "llama-3-8b, or the calibration's model)",
     )
     plan.add_argument(
         "--gpu",
-        default="h100-sxm",
-        help=f"device ({', '.join([*DEVICES, USER_DEVICE])}; default h100-sxm). '{USER_DEVICE}' "
-        "needs all four figures below",
+        help=f"device ({', '.join([*DEVICES, USER_DEVICE])}; default h100-sxm, or the "
+        f"calibration's achieved rates). '{USER_DEVICE}' needs all four figures below",
     )
+    plan.add_argument(
+        "--calibration",
+        metavar="FILE.json",
+        help="a step-time calibration (`pdserve plan calibrate`; stored under "
+        "<cache>/calibration/<device>/<model>.json)",
+    )
+    plan.add_argument(
+        "--workload-from",
+        metavar="RECORDS.jsonl",
+        help="size for a measured workload: rate and mean prompt/output lengths from a "
+        "`pdserve bench` records.jsonl (overrides --rate, --prompt-len, --output-len)",
+    )
+    plan.add_argument("--run", help="with --workload-from: which run of the file (default: all)")
     plan.add_argument(
         "--devices-file",
         help="YAML file adding devices: name: {peak_tflops, "
@@ -157,6 +244,29 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument("--json", action="store_true", help="machine-readable output (README keys)")
     plan.add_argument("--plot", metavar="FILE.png", help="write a roofline chart")
     plan.set_defaults(func=_cmd_plan)
+    actions = plan.add_subparsers(dest="plan_command", metavar="[calibrate]", required=False)
+    cal = actions.add_parser(
+        "calibrate",
+        help="fit the step-time model from engines' own step records",
+        description="Start pdserve with --config (or use the cluster at --url), send a spread "
+        "of prompt lengths one at a time and decode batches of growing size, read every "
+        "engine's per-step records (GET /pdserve/v1/steps), and fit step time = overhead + "
+        "per-sequence cost + max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + "
+        "attention, one fit per device and model. Saved where engines find it at start (the "
+        "live predicted/measured step-time metrics) unless --out is given. About 2 minutes "
+        "on the default 2-core config.",
+    )
+    cal.add_argument("--config", help="config to serve (default: the built-in defaults)")
+    cal.add_argument("--url", help="calibrate a running pdserve router instead of starting one")
+    cal.add_argument("--api-key", help="the router's key, if it has one")
+    cal.add_argument(
+        "--no-traffic",
+        action="store_true",
+        help="with --url: send nothing, fit the steps the cluster has served",
+    )
+    cal.add_argument("--skip-steps", type=int, default=0, help="per node, leave out the first N")
+    cal.add_argument("--out", help="folder to save to (default: <cache>/calibration)")
+    cal.set_defaults(func=_cmd_plan_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench.main import add_parser as add_bench_parser
 
     add_bench_parser(commands)
+    from pdserve.sim.main import add_parser as add_simulate_parser
+
+    add_simulate_parser(commands)
     return parser
 
 

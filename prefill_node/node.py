@@ -47,6 +47,8 @@ def prefill_params(params: Any, sample_first: bool, readers: int) -> Any:
 
 
 class PrefillNode(EngineActor):
+    ROLE = "prefill"
+
     async def prefill(
         self,
         request_id: str,

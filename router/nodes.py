@@ -41,6 +41,11 @@ class NodeClient(ABC):
     async def stats(self) -> NodeStats:
         """The node's current load and running totals."""
 
+    async def step_records(self, seen: int = 0) -> dict[str, Any]:
+        """The engine's kept per-step records after the first `seen` and what a fit needs
+        (`EngineActor.step_records`); a node that keeps none has none."""
+        return {"steps_seen": 0, "records": []}
+
 
 @dataclass
 class Node:

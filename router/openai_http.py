@@ -21,9 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.engine.types import STEP_FIELDS
 from router.auth import authorized
 from router.errors import (
     InvalidRequest,
+    NodeFailed,
     Overloaded,
     PayloadTooLarge,
     PoolUnavailable,
@@ -161,6 +163,20 @@ def create_app(
             max_model_len=service.frontend.max_model_len,
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/pdserve/v1/steps")
+    async def steps(request: Request) -> JSONResponse:
+        """Every healthy node's recent engine steps (`pdserve plan calibrate`), behind the key."""
+        _check_auth(api_key, request)
+        nodes = []
+        for pool_name, pool in dispatcher.pools.items():
+            for node in pool.healthy_nodes():
+                try:
+                    found = await node.client.step_records(0)
+                except NodeFailed:
+                    continue
+                nodes.append({"pool": pool_name, "node": node.name, "fields": STEP_FIELDS, **found})
+        return JSONResponse({"nodes": nodes})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

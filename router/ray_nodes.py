@@ -55,8 +55,11 @@ class RayNodeClient(NodeClient):
     async def stats(self) -> NodeStats:
         return await self._call("stats")
 
-    async def _call(self, method: str) -> Any:
+    async def step_records(self, seen: int = 0) -> dict[str, Any]:
+        return await self._call("step_records", seen)
+
+    async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await getattr(self.handle, method).remote()
+            return await getattr(self.handle, method).remote(*args)
         except NODE_FAILURES as error:
             raise NodeFailed(type(error).__name__) from None

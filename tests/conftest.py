@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# engines look up a step-time calibration at start: none from this machine's cache in tests
+os.environ["PDSERVE_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="pdserve-test-calibration-")
+atexit.register(shutil.rmtree, os.environ["PDSERVE_CALIBRATION_DIR"], True)
 
 REPO = Path(__file__).resolve().parent.parent
 TIERS = ("logic", "sockets", "engines", "e2e")

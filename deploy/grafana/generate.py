@@ -238,6 +238,37 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
         ],
     ),
+    (
+        "Step-time model: predicted against measured",
+        [
+            Panel(
+                "Mean step time per node",
+                [("pdserve_node_step_seconds", "{{node}} {{kind}}")],
+                unit="s",
+                description="Measured mean engine step over the router's window, and what the "
+                "node's step-time model predicts for the same steps (calibrated with `pdserve "
+                "plan calibrate`, else the roofline at peak).",
+            ),
+            Panel(
+                "Measured ÷ predicted step time",
+                [("pdserve_node_step_time_ratio", "{{node}}")],
+                description="1 when the model is right. A calibrated node far from 1 has "
+                "drifted (other load on its cores, a new engine setting): calibrate again. The "
+                "uncalibrated roofline reads 2-5x on a CPU.",
+                thresholds=[(0, "orange"), (0.8, "green"), (1.25, "orange")],
+            ),
+            Panel(
+                "Balance in calibrated cost",
+                [
+                    ("pdserve_pool_balance_cost_ratio", "prefill ÷ decode"),
+                    ("pdserve_pool_calibrated_busy_ratio", "{{pool}} busy"),
+                ],
+                description="Each pool's work per node priced by the step-time model (step "
+                "seconds per second) and their ratio: above 1 the prefill pool is the "
+                "bottleneck.",
+            ),
+        ],
+    ),
 ]
 
 

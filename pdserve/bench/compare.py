@@ -59,11 +59,13 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @contextmanager
-def pdserve_server(config: Path, work: Path):
-    """`pdserve serve --config config` on free loopback ports; yields its HTTP URL."""
+def pdserve_server(config: Path | None, work: Path):
+    """`pdserve serve --config config` (None: the built-in defaults) on free loopback ports;
+    yields its HTTP URL."""
     ready, log = work / "ready.json", work / "serve.log"
     env = dict(os.environ, VLLM_RPC_BASE_PATH=str(work))
-    command = [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(config)]
+    command = [sys.executable, "-m", "pdserve.cli", "serve"]
+    command += ["--config", str(config)] if config else []
     command += ["--port", "0", "--grpc-port", "0", "--ready-file", str(ready)]
     with log.open("w") as out:
         process = subprocess.Popen(

@@ -161,7 +161,8 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload the `--workload`, length and interference flags describe."""
     return Workload(
         args.workload,
         args.prompt_len,
@@ -176,7 +177,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 def _requests(args: argparse.Namespace) -> list[RequestSpec]:
     return build_requests(
-        _workload(args), args.num_requests, args.arrivals, args.rate, seed=args.seed
+        workload_from_args(args), args.num_requests, args.arrivals, args.rate, seed=args.seed
     )
 
 
@@ -184,7 +185,11 @@ async def _measure(url: str, requests, args, model: str | None = None, api_key=N
     model = model or await served_model(url, api_key)
     if args.warmup_requests:  # the same traffic, unrecorded: engines meet their shapes first
         warm = build_requests(
-            _workload(args), args.warmup_requests, args.arrivals, args.rate, seed=args.seed + 1
+            workload_from_args(args),
+            args.warmup_requests,
+            args.arrivals,
+            args.rate,
+            seed=args.seed + 1,
         )
         concurrency = args.concurrency if args.arrivals == "concurrency" else None
         await run_load(

@@ -78,11 +78,44 @@ def write_json(out: Path, results: dict, records: dict[str, Sequence[RequestReco
 
 
 def read_records(path: Path) -> dict[str, list[RequestRecord]]:
+    """records.jsonl (or records.jsonl.xz) → run name → records."""
+    path = Path(path)
+    if path.suffix == ".xz":
+        import lzma
+
+        text = lzma.decompress(path.read_bytes()).decode()
+    else:
+        text = path.read_text()
     records: dict[str, list[RequestRecord]] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         data = json.loads(line)
         records.setdefault(data.pop("run"), []).append(RequestRecord(**data))
     return records
+
+
+def measured_workload(path: str | Path, run: str | None = None) -> dict:
+    """What a bench record says about its traffic: arrival rate (requests over the span of send
+    times) and mean prompt and output lengths; `run`: one run of the file (default: all)."""
+    runs = read_records(Path(path))
+    if run is not None:
+        if run not in runs:
+            raise ValueError(f"no run {run!r} in {path}; runs: {', '.join(runs)}")
+        runs = {run: runs[run]}
+    rates, prompts, outputs = [], [], []
+    for records in runs.values():
+        sent = sorted(r.sent_s for r in records)
+        if len(sent) >= 2 and sent[-1] > sent[0]:
+            rates.append((len(sent) - 1) / (sent[-1] - sent[0]))
+        prompts += [r.prompt_tokens for r in records]
+        outputs += [r.output_tokens for r in records if r.ok]
+    if not rates or not outputs:
+        raise ValueError(f"{path}: too few completed requests to measure a workload")
+    return {
+        "requests": len(prompts),
+        "rate": sum(rates) / len(rates),
+        "prompt_len": max(1, round(sum(prompts) / len(prompts))),
+        "output_len": max(1, round(sum(outputs) / len(outputs))),
+    }
 
 
 def plot(out: Path, records: dict[str, Sequence[RequestRecord]]) -> list[Path]:

@@ -29,6 +29,7 @@ from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, RequestRejected, TokenDelta
 from pdserve.roofline.live import resolve_peaks
+from pdserve.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ def plain_logprobs(logprobs: Any) -> list | None:
     ]
 
 
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # no usable CUDA: a CPU engine
+        return None
+
+
 def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
     """Environment for one engine actor (passed through Ray's runtime_env)."""
     threads = engine.omp_threads or max(1, int(pool.num_cpus))
@@ -61,7 +71,7 @@ def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str
     preload = cpu_preload_paths(engine.cpu_preload) if not pool.num_gpus else []
     if preload:  # vLLM adds torch's libgomp unless an OpenMP runtime is already preloaded
         env["LD_PRELOAD"] = ":".join(preload)
-    for name in ("VLLM_RPC_BASE_PATH", "PDSERVE_CACHE_DIR"):
+    for name in ("VLLM_RPC_BASE_PATH", "PDSERVE_CACHE_DIR", "PDSERVE_CALIBRATION_DIR"):
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
@@ -107,6 +117,9 @@ def _advertised(kv_transfer: dict[str, Any]) -> dict[str, Any]:
 class EngineActor:
     """Ray actor body (wrapped by `ray.remote` in `create_engine_actor`)."""
 
+    ROLE = "colocated"
+    """The pool role this class serves (its step-time calibration is looked up by it)."""
+
     def __init__(
         self, name: str, engine_args: dict[str, Any], peaks: dict[str, Any] | None = None
     ) -> None:
@@ -117,6 +130,7 @@ class EngineActor:
         self._stats = NodeStats()
         self._collector = StatsCollector(self._stats)
         self._gpu: GpuSampler | None = None
+        self._max_num_batched_tokens = 0
 
     async def start(self) -> NodeInfo:
         """Build the vLLM engine; returns what the router needs to know about it."""
@@ -150,7 +164,8 @@ class EngineActor:
         return info
 
     def _start_utilization(self, vllm_config: Any) -> None:
-        """Give the stats collector the model's shapes and this node's device peaks."""
+        """Give the stats collector the model's shapes, this node's device peaks and its step-time
+        model: the calibration stored for this device and model, else the plain roofline."""
         from pdserve.roofline.specs import model_from_hf_config
 
         model_config = vllm_config.model_config
@@ -158,9 +173,24 @@ class EngineActor:
         self._collector.model = model_from_hf_config(
             model_config.hf_config.to_dict(), self._name, dtype=dtype
         )
-        self._collector.set_peaks(resolve_peaks(**self._peaks))
+        peaks = resolve_peaks(**self._peaks)
+        self._collector.set_peaks(peaks)
         self._stats.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self._max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._gpu = GpuSampler.create()
+        self._stats.device = device_key(_gpu_name())
+        self._stats.model_key = model_key(model_config.model, dtype)
+        self._collector.set_step_model(
+            find_step_model(self._stats.device, self._stats.model_key, self.ROLE)
+            or StepModel.roofline(peaks.flops, peaks.mem_bandwidth)
+        )
+        logger.info(
+            "%s: device %s, model %s, step-time model %s",
+            self._name,
+            self._stats.device,
+            self._stats.model_key,
+            self._stats.step_model_source,
+        )
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
@@ -239,6 +269,26 @@ class EngineActor:
             engine.shutdown()
         except Exception as error:  # it is dead already; its processes are reaped with it
             logger.warning("shutting down the dead engine of %s: %r", self._name, error)
+
+    async def step_records(self, seen: int = 0) -> dict[str, Any]:
+        """The engine's recent steps after the first `seen` (each [prompt tokens, prompt
+        sequences, decode tokens, decode sequences, context tokens, seconds]), with what a fit
+        needs to know: the model's shapes, the device and model keys, the chunk size."""
+        from dataclasses import asdict
+
+        total, records = self._collector.records_since(seen)
+        model = self._collector.model
+        return {
+            "steps_seen": total,
+            "records": records,
+            "device": self._stats.device,
+            "model": self._stats.model_key,
+            "role": self.ROLE,
+            "model_spec": asdict(model) if model else None,
+            "step_model": self._stats.step_model_source,
+            "max_num_batched_tokens": self._max_num_batched_tokens,
+            "max_num_seqs": self._stats.max_num_seqs,
+        }
 
     async def stats(self) -> NodeStats:
         if self._gpu is not None:

@@ -11,17 +11,20 @@ Utilization is estimated per step with the roofline model (`pdserve.roofline.liv
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from pdserve.engine.types import NodeStats
-from pdserve.roofline.live import Peaks, step_work
+from pdserve.roofline.live import Peaks
 from pdserve.roofline.specs import ModelSpec
+from pdserve.roofline.stepmodel import StepModel, StepRecord, step_cost
 
 logger = logging.getLogger(__name__)
 
 RECENT_FAILURES = 1000
 """Failed KV pulls remembered per engine (the decode node looks a request's reason up)."""
+STEP_RECORDS = 8192
+"""Recent steps each engine keeps for `pdserve plan calibrate` (GET /pdserve/v1/steps)."""
 
 
 class StatsCollector:
@@ -31,6 +34,11 @@ class StatsCollector:
     def __init__(self, stats: NodeStats) -> None:
         self.stats = stats
         self.model: ModelSpec | None = None
+        self.step_model: StepModel | None = None
+        """Predicts each step's time (the live predicted/measured step-time series)."""
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_RECORDS)
+        self.steps_seen = 0
+        """Steps recorded since start (`steps` holds the last `STEP_RECORDS` of them)."""
         self.kv_failures: OrderedDict[str, tuple[str, str]] = OrderedDict()
         """vLLM request id -> (reason, message) of recent failed pulls."""
 
@@ -38,6 +46,16 @@ class StatsCollector:
         self.stats.peak_flops = peaks.flops
         self.stats.peak_mem_bandwidth = peaks.mem_bandwidth
         self.stats.peaks_source = peaks.source
+
+    def set_step_model(self, step_model: StepModel) -> None:
+        self.step_model = step_model
+        self.stats.step_model_source = step_model.source
+
+    def records_since(self, seen: int) -> tuple[int, list[list]]:
+        """(steps recorded so far, the kept records after the first `seen` of them)."""
+        kept_from = self.steps_seen - len(self.steps)
+        start = max(0, seen - kept_from)
+        return self.steps_seen, [r.as_list() for r in list(self.steps)[start:]]
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         stats = self.stats
@@ -70,19 +88,32 @@ class StatsCollector:
             return
         seconds = details.elapsed_ms / 1e3
         self.stats.busy_seconds_total += seconds
+        self.stats.busy_steps_total += 1
         self.stats.prompt_busy_seconds_total += seconds * prompt / (prompt + decode)
-        if self.model is None:
-            return
-        work = step_work(
-            self.model,
+        record = StepRecord(
             prompt,
             details.num_ctx_requests,
             decode,
             details.num_generation_requests,
-            self.stats.decode_context_tokens,
+            max(0, self.stats.decode_context_tokens),
+            seconds,
         )
-        self.stats.estimated_flops_total += work.flops
-        self.stats.estimated_bytes_total += work.bytes
+        self.steps.append(record)
+        self.steps_seen += 1
+        if self.model is None:
+            return
+        cost = step_cost(
+            self.model,
+            record.prompt_tokens,
+            record.prompt_sequences,
+            record.decode_tokens,
+            record.decode_sequences,
+            record.context_tokens,
+        )
+        self.stats.estimated_flops_total += cost.linear_flops + cost.attention_flops
+        self.stats.estimated_bytes_total += cost.bytes
+        if self.step_model is not None:
+            self.stats.predicted_busy_seconds_total += self.step_model.cost_seconds(cost)
 
 
 def stat_logger_factory(collector: StatsCollector):

@@ -16,6 +16,17 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 """Upper bounds (seconds) of the queue-time histogram each engine keeps."""
 
 
+STEP_FIELDS = (
+    "prompt_tokens",
+    "prompt_sequences",
+    "decode_tokens",
+    "decode_sequences",
+    "context_tokens",
+    "seconds",
+)
+"""The columns of a per-step record (`EngineActor.step_records`, GET /pdserve/v1/steps)."""
+
+
 TopLogprob = tuple[int, float, int | None, str | None]
 """(token id, logprob, rank, decoded text) of one candidate token at one position."""
 PositionLogprobs = list[TopLogprob]
@@ -111,6 +122,16 @@ class NodeStats:
     """Time the engine spent executing steps."""
     prompt_busy_seconds_total: float = 0.0
     """The share of that time spent on prompt tokens (each step split by its token mix)."""
+    busy_steps_total: int = 0
+    """Steps that computed tokens (the denominator of the mean step times)."""
+    predicted_busy_seconds_total: float = 0.0
+    """What the node's step-time model predicts those steps cost (pdserve.roofline.stepmodel)."""
+    step_model_source: str = ""
+    """"roofline" (no calibration for this device and model) or "calibrated:<file>"."""
+    device: str = ""
+    """The device key calibrations are stored under (a GPU's name, or CPU model and threads)."""
+    model_key: str = ""
+    """The model key calibrations are stored under (model folder and dtype)."""
     estimated_flops_total: float = 0.0
     estimated_bytes_total: float = 0.0
     peak_flops: float = 0.0

@@ -18,7 +18,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.roofline.model import kv_bytes_per_token, linear_ops, lm_head, weight_bytes
 from pdserve.roofline.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -56,25 +55,12 @@ def step_work(
     causally); `decode_tokens` new tokens for `decode_sequences` sequences whose KV caches hold
     `decode_context_tokens` tokens together (each decode token attends to its whole sequence).
     """
-    tokens = prompt_tokens + decode_tokens
-    if tokens <= 0:
-        return StepWork(0.0, 0.0)
-    sequences = prompt_sequences + decode_sequences
-    per_layer = linear_ops(m, tokens)
-    head = lm_head(m, max(1, sequences))
-    # tokens each new token attends to: a causal chunk of P tokens sees P/2 on average (per
-    # prompt); a decode token sees its sequence's whole cache
-    prompt_attended = prompt_tokens * prompt_tokens / (2 * max(1, prompt_sequences))
-    decode_attended = decode_tokens * decode_context_tokens / max(1, decode_sequences)
-    attended = prompt_attended + decode_attended
-    attention_flops = 4.0 * m.num_heads * m.head_dim * m.num_layers * attended
-    flops = m.num_layers * sum(op.flops for op in per_layer) + head.flops + attention_flops
-    # bytes: weights once per step; a prompt chunk's K/V are read once for the chunk (attention
-    # kernels keep tiles on chip), a decode token reads its sequence's whole cache
-    kv = kv_bytes_per_token(m)
-    kv_read = kv * (prompt_tokens + decode_attended)
-    kv_written = kv * tokens
-    return StepWork(flops, float(weight_bytes(m) + kv_read + kv_written))
+    from pdserve.roofline.stepmodel import step_cost
+
+    cost = step_cost(
+        m, prompt_tokens, prompt_sequences, decode_tokens, decode_sequences, decode_context_tokens
+    )
+    return StepWork(cost.linear_flops + cost.attention_flops, cost.bytes)
 
 
 def measure_peaks(threads: int | None = None, seconds: float = 0.5) -> Peaks:

@@ -164,18 +164,24 @@ def plan_pools(
     rate: float,
     tpot_slo: float | None,
     memory_utilization: float = 0.9,
+    prefill_s=None,
+    decode_s=None,
 ) -> PoolPlan:
-    """Devices per pool for `rate` requests/s of `prompt` in, `output` out."""
-    prefill_rps = 1.0 / prefill_seconds(m, device, 1, prompt)
+    """Devices per pool for `rate` requests/s of `prompt` in, `output` out. `prefill_s(prompt)`
+    and `decode_s(batch, context)` price the steps (default: the roofline on `device`; the
+    calibrated step model when given)."""
+    prefill_s = prefill_s or (lambda length: prefill_seconds(m, device, 1, length))
+    decode_s = decode_s or (lambda batch, context: decode_step_seconds(m, device, batch, context))
+    prefill_rps = 1.0 / prefill_s(prompt)
     context = prompt + output
     batch = max_batch(m, device, context, memory_utilization)
     mid_context = prompt + output // 2
     if tpot_slo is not None:
-        while batch > 1 and decode_step_seconds(m, device, batch, mid_context) > tpot_slo:
+        while batch > 1 and decode_s(batch, mid_context) > tpot_slo:
             batch = math.floor(batch * 0.9) if batch > 10 else batch - 1
     decode_rps = 0.0
     if batch > 0:
-        decode_rps = batch / (decode_step_seconds(m, device, batch, mid_context) * output)
+        decode_rps = batch / (decode_s(batch, mid_context) * output)
     prefill_devices = max(1, math.ceil(rate / prefill_rps))
     decode_devices = max(1, math.ceil(rate / decode_rps)) if decode_rps else 0
     return PoolPlan(prefill_rps, batch, decode_rps, prefill_devices, decode_devices)

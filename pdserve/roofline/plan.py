@@ -6,11 +6,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 
 from pdserve.roofline import model as rf
 from pdserve.roofline.specs import DeviceSpec, ModelSpec
+from pdserve.roofline.stepmodel import Calibration, StepModel, step_cost
+
+CHUNK_AMORTIZED = 1.1
+"""A calibrated chunk is large enough once its per-token cost is within 10 % of a long chunk's
+(the step overhead is paid off)."""
+LONG_CHUNK = 8192
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,55 @@ def _ratio(prefill: int, decode: int) -> str:
     return f"{frac.numerator}:{frac.denominator}"
 
 
-def build_plan(m: ModelSpec, device: DeviceSpec, w: Workload) -> dict:
+def calibrated_prefill(step: StepModel, m: ModelSpec, batch: int, prompt: int, chunk: int) -> float:
+    """Seconds to prefill `batch` prompts of `prompt` tokens on an engine computing up to
+    `chunk` tokens per step (short prompts share a step; long ones run chunk by chunk)."""
+    if prompt >= chunk:
+        return batch * step.prefill_seconds(m, prompt, chunk)
+    per_step = max(1, chunk // prompt)
+    full, rest = divmod(batch, per_step)
+    seconds = full * step.cost_seconds(step_cost(m, per_step * prompt, per_step, 0, 0, 0))
+    if rest:
+        seconds += step.cost_seconds(step_cost(m, rest * prompt, rest, 0, 0, 0))
+    return seconds
+
+
+def calibrated_chunk(step: StepModel, m: ModelSpec) -> int:
+    """Smallest power of two whose per-token prefill cost (attention aside: it grows with the
+    prompt, not the chunk) is within `CHUNK_AMORTIZED` of a long chunk's: below it, the per-step
+    overhead is a visible share of every chunk."""
+
+    def per_token(tokens: int) -> float:
+        cost = step_cost(m, tokens, 1, 0, 0, 0)
+        return step.cost_seconds(replace(cost, attention_flops=0.0)) / tokens
+
+    floor = per_token(LONG_CHUNK)
+    chunk = 1
+    while chunk < LONG_CHUNK and per_token(chunk) > CHUNK_AMORTIZED * floor:
+        chunk *= 2
+    return chunk
+
+
+def decode_batch_at_rate(rate: float, output: int, step_s, limit: int = 4096) -> float:
+    """Sequences a decode engine holds at `rate` requests/s of `output` tokens (Little's law:
+    batch = rate × output × step time, the step time itself depending on the batch), found by
+    fixed-point iteration; `limit` when the engine cannot keep up."""
+    batch = 1.0
+    for _ in range(100):
+        nxt = max(1.0, rate * output * step_s(max(1, round(batch))))
+        if nxt > limit:
+            return float(limit)
+        if abs(nxt - batch) < 1e-3:
+            break
+        batch = nxt
+    return batch
+
+
+def build_plan(
+    m: ModelSpec, device: DeviceSpec, w: Workload, calibration: Calibration | None = None
+) -> dict:
+    """The plan; with `calibration`, TTFT / TPOT / chunk / P:D come from its step-time model
+    (fitted on this device and model) instead of the roofline at peak."""
     ridge = rf.ridge_point(device)
     kv_token = rf.kv_bytes_per_token(m)
     free = rf.kv_capacity_bytes(m, device)
@@ -76,6 +130,47 @@ def build_plan(m: ModelSpec, device: DeviceSpec, w: Workload) -> dict:
     tpot = rf.decode_step_seconds(m, device, w.batch, w.prompt_len + w.output_len // 2)
     transfer = rf.kv_transfer_seconds(m, device, w.prompt_len)
     pools = rf.plan_pools(m, device, w.prompt_len, w.output_len, w.rate, w.tpot_slo_s)
+    calibrated = None
+    if calibration is not None:
+        step = calibration.for_role("prefill")
+        decode_step = calibration.for_role("decode")
+        engine_chunk = int(calibration.engine.get("max_num_batched_tokens") or 2048)
+        first_s = float(calibration.engine.get("request_overhead_s") or 0.0)
+        token_s = float(calibration.engine.get("token_overhead_s") or 0.0)
+        chunk = calibrated_chunk(step, m)
+        ttft = first_s + calibrated_prefill(step, m, w.batch, w.prompt_len, engine_chunk)
+        tpot = token_s + decode_step.decode_step_seconds(
+            m, w.batch, w.prompt_len + w.output_len // 2
+        )
+        pools = rf.plan_pools(
+            m,
+            device,
+            w.prompt_len,
+            w.output_len,
+            w.rate,
+            w.tpot_slo_s,
+            prefill_s=lambda length: calibrated_prefill(step, m, 1, length, engine_chunk),
+            decode_s=lambda batch, ctx: token_s + decode_step.decode_step_seconds(m, batch, ctx),
+        )
+        calibrated = {
+            "path": str(calibration.path) if calibration.path else None,
+            "device": calibration.device,
+            "step_model": calibration.step_model.to_dict(),
+            "roles": {role: s.to_dict() for role, s in (calibration.roles or {}).items()},
+            "fit": calibration.fit,
+            "engine_chunk_tokens": engine_chunk,
+            "request_overhead_s": first_s,
+            "token_overhead_s": token_s,
+        }
+    mid = w.prompt_len + w.output_len // 2
+    if calibration is not None:
+        at_rate = lambda b: token_s + decode_step.decode_step_seconds(m, b, mid)  # noqa: E731
+    else:
+        at_rate = lambda b: rf.decode_step_seconds(m, device, b, mid)  # noqa: E731
+    # each of the plan's decode devices takes its share of the rate
+    per_device = w.rate / max(1, pools.decode_devices)
+    batch_at_rate = decode_batch_at_rate(per_device, w.output_len, at_rate, max(1, largest))
+    tpot_at_rate = at_rate(max(1, round(batch_at_rate)))
     threshold = rf.compute_bound_tokens(m, device)
     prefill_ai = rf.linear_intensity(m, w.batch * w.prompt_len)
     decode_ai = rf.linear_intensity(m, w.batch)
@@ -86,8 +181,13 @@ def build_plan(m: ModelSpec, device: DeviceSpec, w: Workload) -> dict:
         + ("compute-bound" if prefill_ai >= ridge else "memory-bound (short prompt, small batch)"),
         f"decode runs {w.batch} tokens (AI {decode_ai:.0f}): "
         + ("compute-bound" if decode_ai >= ridge else f"memory-bound until batch {threshold}"),
-        f"chunk {chunk}: the smallest power of two at or above {threshold} tokens keeps chunks "
-        f"compute-bound",
+        (
+            f"chunk {chunk}: the smallest power of two whose per-token cost is within "
+            f"{CHUNK_AMORTIZED - 1:.0%} of a long chunk's (the measured step overhead is paid off)"
+            if calibrated
+            else f"chunk {chunk}: the smallest power of two at or above {threshold} tokens keeps "
+            f"chunks compute-bound"
+        ),
         f"batch {w.batch} at {w.kv_context} tokens needs {needed / 1e9:.2f} GB of KV; "
         f"{max(free, 0) / 1e9:.1f} GB is free after weights: "
         + ("fits" if needed <= free else f"does not fit (largest batch {largest})"),
@@ -119,7 +219,15 @@ def build_plan(m: ModelSpec, device: DeviceSpec, w: Workload) -> dict:
             "max_batch": largest,
         },
         "chunk": {"recommended_tokens": chunk, "intensity": rf.linear_intensity(m, chunk)},
-        "estimates": {"ttft_s": ttft, "tpot_s": tpot, "kv_transfer_s": transfer},
+        "estimates": {
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "kv_transfer_s": transfer,
+            "source": "calibrated" if calibrated else "roofline",
+            "decode_batch_at_rate": batch_at_rate,
+            "tpot_at_rate_s": tpot_at_rate,
+        },
+        "calibration": calibrated,
         "pools": {
             "prefill_devices": pools.prefill_devices,
             "decode_devices": pools.decode_devices,
@@ -170,16 +278,43 @@ def format_plan(plan: dict) -> str:
         f"({'fits' if mem['fits'] else 'DOES NOT FIT'}; largest batch {mem['max_batch']})",
         f"recommended chunk       {chunk['recommended_tokens']} tokens "
         f"(AI {chunk['intensity']:.0f})",
-        f"TTFT (roofline)         {_ms(est['ttft_s'])}",
-        f"TPOT (roofline)         {_ms(est['tpot_s'])}",
+        f"{'TTFT (' + est['source'] + ')':<24}{_ms(est['ttft_s'])}",
+        f"{'TPOT (' + est['source'] + ')':<24}{_ms(est['tpot_s'])}",
+        f"{'TPOT at ' + format(w['rate'], 'g') + ' req/s':<24}{_ms(est['tpot_at_rate_s'])} (each "
+        f"of {pools['decode_devices']} decode devices holds {est['decode_batch_at_rate']:.1f} "
+        "sequences)",
         f"KV transfer / request   {_ms(est['kv_transfer_s'])}",
         f"P:D                     {pools['ratio']} ({pools['prefill_devices']} prefill, "
         f"{pools['decode_devices']} decode; decode batch {pools['decode_batch']})",
+        *_calibration_lines(plan.get("calibration")),
         "",
         "why:",
         *[f"  - {reason}" for reason in plan["reasoning"]],
     ]
     return "\n".join(lines)
+
+
+def _calibration_lines(calibrated: dict | None) -> list[str]:
+    if not calibrated:
+        return []
+    step, fit = calibrated["step_model"], calibrated["fit"]
+    return [
+        "",
+        f"step-time model         calibrated on {calibrated['device']} ({calibrated['path']})",
+        f"  overhead {step['overhead_s'] * 1e3:.2f} ms/step + {step['per_sequence_s'] * 1e3:.3f} "
+        f"ms/sequence; achieved {_si(step['flops'], 'FLOP/s')}, "
+        f"{_si(step['mem_bandwidth'], 'B/s')}",
+        *[
+            f"  {role} engines: {s['overhead_s'] * 1e3:.2f} ms/step + "
+            f"{s['per_sequence_s'] * 1e3:.3f} ms/sequence, {_si(s['flops'], 'FLOP/s')}, "
+            f"{_si(s['mem_bandwidth'], 'B/s')}"
+            for role, s in calibrated.get("roles", {}).items()
+        ],
+        f"  fit over {fit.get('steps')} steps: median error {fit.get('median_error', 0):.1%}, "
+        f"p90 {fit.get('p90_error', 0):.1%}; router adds "
+        f"{calibrated['request_overhead_s'] * 1e3:.0f} ms to TTFT, "
+        f"{calibrated['token_overhead_s'] * 1e3:.1f} ms per token",
+    ]
 
 
 def plot_plan(plan: dict, path: str) -> None:

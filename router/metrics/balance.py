@@ -9,6 +9,11 @@
 A pool's load is the mean over its healthy nodes; ≥ 1 means requests queue. The balance signal is
 prefill load ÷ decode load: above 1 the prefill pool is the bottleneck (move the P:D ratio toward
 prefill), below 1 the decode pool is.
+
+The same ratio in calibrated cost (`pdserve_pool_balance_cost_ratio`): each node's work priced
+by its step-time model (seconds of steps per second, pdserve.roofline.stepmodel), averaged per
+pool: what the calibrated model says each pool's traffic costs, independent of how busy the
+engines happened to be.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ COUNTERS = (
     "estimated_bytes_total",
     "busy_seconds_total",
     "prompt_busy_seconds_total",
+    "predicted_busy_seconds_total",
+    "busy_steps_total",
 )
 """The stats counters a rate window needs (all a node's history keeps)."""
 
@@ -44,6 +51,9 @@ class Window:
     bytes: float
     busy: float
     prompt_busy: float
+    predicted_busy: float = 0.0
+    """Seconds per second the node's step-time model says its steps cost."""
+    steps: float = 0.0
 
     @classmethod
     def of(cls, history: Sequence[tuple[float, dict]], window_s: float) -> Window | None:
@@ -68,6 +78,13 @@ def node_load(stats: NodeStats, window: Window | None) -> float:
     memory = max(stats.kv_cache_usage, stats.running / slots)
     queue = stats.waiting / slots
     return max(compute, memory) + queue
+
+
+def step_times(window: Window | None) -> tuple[float, float] | None:
+    """(measured, predicted) mean step time over the window; None without steps in it."""
+    if window is None or window.steps <= 0:
+        return None
+    return window.busy / window.steps, window.predicted_busy / window.steps
 
 
 def pool_load(loads: Iterable[float]) -> float | None:

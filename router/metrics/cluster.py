@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from pdserve.engine.types import QUEUE_TIME_BUCKETS
 from pdserve.kv.stats import FAILURE_REASONS
-from router.metrics.balance import Window, balance_ratio, node_load, pool_load
+from router.metrics.balance import Window, balance_ratio, node_load, pool_load, step_times
 
 
 class PoolCollector:
@@ -20,18 +20,24 @@ class PoolCollector:
     def collect(self):
         families = _NodeFamilies()
         loads: dict[str, float] = {}
+        costs: dict[str, float] = {}
         for pool_name, pool in self.pools.items():
-            node_loads = []
+            node_loads, node_costs = [], []
             for node in pool.nodes:
                 window = Window.of(node.history, self.window_s)
                 families.add_node(pool_name, node, window)
                 if node.healthy and node.reported:
                     node_loads.append(node_load(node.stats, window))
+                    node_costs.append(window.predicted_busy if window else 0.0)
             families.add_pool(pool_name, pool)
             load = pool_load(node_loads)
             if load is not None:
                 loads[pool_name] = load
                 families.pool_load.add_metric([pool_name], load)
+            cost = pool_load(node_costs)
+            if cost is not None:
+                costs[pool_name] = cost
+                families.pool_cost.add_metric([pool_name], cost)
         yield from families.all()
         if "prefill" in self.pools and "decode" in self.pools:
             balance = GaugeMetricFamily(
@@ -42,6 +48,17 @@ class PoolCollector:
             if "decode" in loads:
                 balance.add_metric([], balance_ratio(loads.get("prefill", 0.0), loads["decode"]))
             yield balance
+            cost_balance = GaugeMetricFamily(
+                "pdserve_pool_balance_cost_ratio",
+                "Prefill pool / decode pool work per node in calibrated cost (step seconds per "
+                "second as each node's step-time model prices its steps): > 1 prefill is the "
+                "bottleneck.",
+            )
+            if "decode" in costs:
+                cost_balance.add_metric(
+                    [], balance_ratio(costs.get("prefill", 0.0), costs["decode"])
+                )
+            yield cost_balance
 
 
 class _NodeFamilies:
@@ -105,6 +122,21 @@ class _NodeFamilies:
         self.load = gauge(
             "pdserve_node_load_ratio", "Demand / capacity (see router/metrics/balance.py)."
         )
+        self.steps = counter("pdserve_node_engine_steps", "Engine steps that computed tokens.")
+        self.predicted_busy = counter(
+            "pdserve_node_predicted_busy_seconds",
+            "What the node's step-time model predicts its steps cost (calibrated or roofline).",
+            ("model",),
+        )
+        self.step_seconds = gauge(
+            "pdserve_node_step_seconds",
+            "Mean step time over the router's window, measured and as the step model predicts.",
+            ("kind",),
+        )
+        self.step_ratio = gauge(
+            "pdserve_node_step_time_ratio",
+            "Measured / predicted step time over the router's window (1: the model is right).",
+        )
         self.gpu_sm = gauge("pdserve_node_gpu_sm_utilization_ratio", "NVML utilization.gpu.")
         self.gpu_mem = gauge(
             "pdserve_node_gpu_memory_controller_utilization_ratio", "NVML utilization.memory."
@@ -146,6 +178,11 @@ class _NodeFamilies:
             "Mean demand / capacity of the pool's healthy nodes (>= 1: requests queue).",
             labels=["pool"],
         )
+        self.pool_cost = GaugeMetricFamily(
+            "pdserve_pool_calibrated_busy_ratio",
+            "Mean step seconds per second of the pool's nodes, priced by their step-time models.",
+            labels=["pool"],
+        )
 
     def add_node(self, pool: str, node: Any, window: Window | None) -> None:
         key = [pool, node.name]
@@ -166,6 +203,15 @@ class _NodeFamilies:
         self.generation_tokens.add_metric(key, stats.generation_tokens_total)
         self.busy.add_metric(key, stats.busy_seconds_total)
         self.prompt_busy.add_metric(key, stats.prompt_busy_seconds_total)
+        self.steps.add_metric(key, stats.busy_steps_total)
+        if stats.step_model_source:
+            model = stats.step_model_source.split(":", 1)[0]
+            self.predicted_busy.add_metric([*key, model], stats.predicted_busy_seconds_total)
+        times = step_times(window)
+        if times and times[1] > 0:
+            self.step_seconds.add_metric([*key, "measured"], times[0])
+            self.step_seconds.add_metric([*key, "predicted"], times[1])
+            self.step_ratio.add_metric(key, times[0] / times[1])
         self.flops.add_metric(key, stats.estimated_flops_total)
         self.bytes.add_metric(key, stats.estimated_bytes_total)
         if stats.peak_flops:

@@ -422,3 +422,44 @@ def test_bench_run_drives_the_router_and_writes_a_report(server, tmp_path):
     assert len((out / "records.jsonl").read_text().splitlines()) == 6
     assert "| TTFT p99 (s) |" in (out / "results.md").read_text()
     assert (out / "latency_cdf.png").stat().st_size > 10_000
+
+
+def test_calibrate_fits_the_engines_own_steps(server, tmp_path):
+    """The engines' per-step records (GET /pdserve/v1/steps, both roles) fit the step-time model
+    (`pdserve plan calibrate --url --no-traffic`: the steps this module's traffic ran), and the
+    planner reads the calibration back; the live predicted/measured series are exported."""
+    steps = httpx.get(f"{server.url}/pdserve/v1/steps", timeout=60).json()["nodes"]
+    roles = {node["role"]: node for node in steps}
+    assert set(roles) == {"prefill", "decode"}
+    for node in steps:
+        assert node["device"].startswith("cpu-") and node["device"].endswith("-1t")
+        assert node["model"].endswith("-bfloat16") and node["model_spec"]["num_layers"] == 30
+        assert node["step_model"] == "roofline"  # no calibration in this test's cache
+        assert len(node["records"]) >= 20 and node["steps_seen"] >= len(node["records"])
+        assert all(len(row) == len(node["fields"]) and row[-1] > 0 for row in node["records"])
+    prompts = [row for row in roles["prefill"]["records"] if row[0] > 0]
+    assert prompts and all(row[2] == 0 for row in prompts)  # a prefill node decodes nothing
+    out = tmp_path / "calibration"
+    command = [sys.executable, "-m", "pdserve.cli", "plan", "calibrate", "--url", server.url]
+    done = subprocess.run(
+        [*command, "--no-traffic", "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [path] = list(out.glob("*/*.json"))
+    calibration = json.loads(path.read_text())
+    assert calibration["fit"]["median_error"] < 0.35, calibration["fit"]
+    assert calibration["step_model"]["flops"] > 1e9
+    plan = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "plan", "--calibration", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert plan.returncode == 0, plan.stderr
+    estimates = json.loads(plan.stdout)["estimates"]
+    assert estimates["source"] == "calibrated" and estimates["ttft_s"] > estimates["tpot_s"] > 0
+    scrape = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for node in ("pdserve-prefill-0", "pdserve-decode-0"):
+        assert re.search(
+            rf'pdserve_node_predicted_busy_seconds_total{{model="roofline",node="{node}"', scrape
+        )

@@ -16,7 +16,7 @@ HEAVY = ("vllm", "ray", "torch", "transformers", "grpc")
 
 ALLOWED = {
     "pdserve_proto": set(),
-    "pdserve.roofline": set(),
+    "pdserve.roofline": {"pdserve.model_prep"},
     "pdserve.model_prep": set(),
     "pdserve.kv": {"pdserve_proto"},
     "pdserve.config": {"pdserve.kv", "pdserve.roofline"},
@@ -24,7 +24,8 @@ ALLOWED = {
     "prefill_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "decode_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "router": {"pdserve.engine", "pdserve.kv", "pdserve_proto"},
-    "pdserve.bench": {"pdserve.model_prep", "pdserve.config"},
+    "pdserve.bench": {"pdserve.model_prep", "pdserve.config", "pdserve.roofline"},
+    "pdserve.sim": {"pdserve.bench", "pdserve.engine", "pdserve.roofline", "router"},
     "pdserve.serve": {
         "pdserve.config",
         "pdserve.engine",
@@ -41,6 +42,7 @@ ALLOWED = {
         "pdserve.model_prep",
         "pdserve.roofline",
         "pdserve.serve",
+        "pdserve.sim",
     },
 }
 """Package -> the packages it may import (a new edge must be added here, on purpose)."""

@@ -168,6 +168,7 @@ def test_plan_human_output_reads(capsys):
 
 
 JSON_KEYS = {
+    "calibration",
     "model",
     "device",
     "workload",
@@ -190,7 +191,15 @@ def test_cli_json_has_the_documented_keys_and_plot_writes_a_png(tmp_path, capsys
     assert main([*args, "--plot", str(png)]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert set(plan) == JSON_KEYS
-    assert set(plan["estimates"]) == {"ttft_s", "tpot_s", "kv_transfer_s"}
+    assert set(plan["estimates"]) == {
+        "ttft_s",
+        "tpot_s",
+        "kv_transfer_s",
+        "source",
+        "decode_batch_at_rate",
+        "tpot_at_rate_s",
+    }
+    assert plan["estimates"]["source"] == "roofline" and plan["calibration"] is None
     assert set(plan["pools"]) >= {"prefill_devices", "decode_devices", "ratio", "decode_batch"}
     assert len(plan["layers"]) == 14
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -224,11 +224,15 @@ async def test_hostile_bodies_get_4xx_and_the_router_keeps_serving(http, router)
 async def test_metrics_and_detailed_health_need_the_key(router, http):
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as anonymous:
         assert (await anonymous.get("/metrics")).status_code == 401
+        assert (await anonymous.get("/pdserve/v1/steps")).status_code == 401
         bare = await anonymous.get("/health")
         assert bare.status_code == 200 and bare.json() == {"status": "ok"}
     detailed = (await http.get("/health")).json()
     assert set(detailed["pools"]) == {"prefill", "decode"}
     assert (await http.get("/metrics")).status_code == 200
+    steps = (await http.get("/pdserve/v1/steps")).json()["nodes"]
+    assert {n["pool"] for n in steps} == {"prefill", "decode"}  # fake nodes keep no steps
+    assert all(n["records"] == [] and n["fields"][-1] == "seconds" for n in steps)
 
 
 async def test_grpc_health_follows_the_pools(router):

@@ -1,0 +1,467 @@
+"""The calibrated step-time model: what one engine step costs on this device, fitted from steps
+the engine actually ran (docs/design.md, "The step-time model").
+
+The roofline alone (`pdserve.roofline.model`) divides work by datasheet peaks and has no cost per
+step, so it is a lower bound that a small model on a CPU misses by 2–5×. A step of a vLLM engine
+costs
+
+    t = overhead + per_sequence · sequences
+        + max(linear FLOPs / achieved FLOP/s, bytes / achieved bytes/s)
+        + attention FLOPs / achieved attention FLOP/s
+
+- `overhead`: scheduling, Python, the sampler's launch, kernel launches: paid once per step;
+- `per_sequence`: what each sequence in the step adds on top (its sampler row, its metadata);
+- the roofline term: the linear layers and the LM head on the step's tokens, against the rates
+  the device *achieves* on them (weights and KV read once per step, as `live.step_work` counts);
+- the attention term: causal attention over each prompt chunk and each decode token's context.
+
+`fit` finds the coefficients from per-step records (tokens, sequences, context, seconds): for a
+grid of compute/bandwidth ratios it solves a non-negative least-squares problem in relative error
+(a 30 ms decode step counts as much as a 3 s prefill step), and keeps the best. `StepModel.roofline`
+is the uncalibrated model (no overhead, datasheet peaks): the planner's tables without a
+calibration are the seed's, unchanged.
+
+Calibrations are stored per device and model under the cache folder
+(`calibration/<device>/<model>.json`); engines look theirs up at start (the live predicted/measured
+step-time metrics) and `pdserve plan --calibration` reads one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import platform
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.roofline.model import kv_bytes_per_token, linear_ops, lm_head, weight_bytes
+from pdserve.roofline.specs import GB, GIB, DeviceSpec, ModelSpec
+
+CALIBRATION_VERSION = 1
+RATIO_GRID = [10 ** (i / 20) for i in range(-20, 101)]
+"""Compute/bandwidth ratios (FLOP/B) the fit tries: 0.1 to 100 000, 20 per decade."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as vLLM reported it (iteration details) and the actor's context count."""
+
+    prompt_tokens: int
+    prompt_sequences: int
+    decode_tokens: int
+    decode_sequences: int
+    context_tokens: int
+    """KV tokens held by the decoding sequences (each decode token attends to its own)."""
+    seconds: float
+
+    @property
+    def sequences(self) -> int:
+        return self.prompt_sequences + self.decode_sequences
+
+    def as_list(self) -> list:
+        return [
+            self.prompt_tokens,
+            self.prompt_sequences,
+            self.decode_tokens,
+            self.decode_sequences,
+            self.context_tokens,
+            self.seconds,
+        ]
+
+    @classmethod
+    def from_list(cls, row: Sequence) -> StepRecord:
+        p, ps, d, ds, ctx, s = row
+        return cls(int(p), int(ps), int(d), int(ds), int(ctx), float(s))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The work of one step, split the way the step model charges it."""
+
+    linear_flops: float
+    attention_flops: float
+    bytes: float
+    sequences: int
+
+
+def step_cost(
+    m: ModelSpec,
+    prompt_tokens: int,
+    prompt_sequences: int,
+    decode_tokens: int,
+    decode_sequences: int,
+    context_tokens: int,
+) -> StepCost:
+    """FLOPs and bytes of one step (what `live.step_work` sums for the utilization): linear layers
+    2·tokens·d_in·d_out and the LM head per sequence; attention 4·heads·head_dim per attended
+    token per layer; bytes = weights once per step, a prompt chunk's own K/V and each decode
+    token's whole cache read, every new token's K/V written."""
+    tokens = prompt_tokens + decode_tokens
+    sequences = prompt_sequences + decode_sequences
+    if tokens <= 0:
+        return StepCost(0.0, 0.0, 0.0, 0)
+    linear = m.num_layers * sum(op.flops for op in linear_ops(m, tokens))
+    linear += lm_head(m, max(1, sequences)).flops
+    # a causal chunk of P tokens attends to P/2 tokens on average (per prompt); a decode token
+    # attends to its sequence's whole cache
+    prompt_attended = prompt_tokens * prompt_tokens / (2 * max(1, prompt_sequences))
+    decode_attended = decode_tokens * context_tokens / max(1, decode_sequences)
+    attention = 4.0 * m.num_heads * m.head_dim * m.num_layers * (prompt_attended + decode_attended)
+    kv = kv_bytes_per_token(m)
+    moved = weight_bytes(m) + kv * (prompt_tokens + decode_attended) + kv * tokens
+    return StepCost(linear, attention, float(moved), sequences)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    overhead_s: float
+    per_sequence_s: float
+    flops: float
+    """Achieved FLOP/s of the linear layers."""
+    mem_bandwidth: float
+    """Achieved bytes/s."""
+    attention_s_per_flop: float
+    """Seconds per attention FLOP (1 / achieved attention FLOP/s; 0: no attention term)."""
+    source: str = "roofline"
+    """"roofline" (datasheet or measured peaks, no overhead) or "calibrated:<where>"."""
+
+    @classmethod
+    def roofline(cls, peak_flops: float, peak_bandwidth: float) -> StepModel:
+        return cls(0.0, 0.0, peak_flops, peak_bandwidth, 1.0 / peak_flops, "roofline")
+
+    def cost_seconds(self, cost: StepCost) -> float:
+        if cost.sequences == 0:
+            return 0.0
+        return (
+            self.overhead_s
+            + self.per_sequence_s * cost.sequences
+            + max(cost.linear_flops / self.flops, cost.bytes / self.mem_bandwidth)
+            + cost.attention_flops * self.attention_s_per_flop
+        )
+
+    def seconds(
+        self,
+        m: ModelSpec,
+        prompt_tokens: int,
+        prompt_sequences: int,
+        decode_tokens: int,
+        decode_sequences: int,
+        context_tokens: int,
+    ) -> float:
+        cost = step_cost(
+            m, prompt_tokens, prompt_sequences, decode_tokens, decode_sequences, context_tokens
+        )
+        return self.cost_seconds(cost)
+
+    def prefill_seconds(self, m: ModelSpec, prompt: int, chunk: int) -> float:
+        """One prompt alone on an engine that computes `chunk` tokens per step: the sum of its
+        chunks, each attending to the chunks before it."""
+        total, done = 0.0, 0
+        while done < prompt:
+            size = min(chunk, prompt - done)
+            # a chunk attends to the `done` tokens before it and causally to itself
+            cost = step_cost(m, size, 1, 0, 0, 0)
+            earlier = 4.0 * m.num_heads * m.head_dim * m.num_layers * size * done
+            kv = kv_bytes_per_token(m) * done
+            cost = StepCost(
+                cost.linear_flops, cost.attention_flops + earlier, cost.bytes + kv, cost.sequences
+            )
+            total += self.cost_seconds(cost)
+            done += size
+        return total
+
+    def decode_step_seconds(self, m: ModelSpec, batch: int, context: int) -> float:
+        """One decode step of `batch` sequences holding `context` tokens each."""
+        return self.seconds(m, 0, 0, batch, batch, batch * context)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepModel:
+        return cls(
+            float(data["overhead_s"]),
+            float(data["per_sequence_s"]),
+            float(data["flops"]),
+            float(data["mem_bandwidth"]),
+            float(data["attention_s_per_flop"]),
+            str(data.get("source", "calibrated")),
+        )
+
+
+@dataclass(frozen=True)
+class Fit:
+    model: StepModel
+    steps: int
+    """Records the fit used."""
+    median_error: float
+    """Median |predicted - measured| / measured over them."""
+    p90_error: float
+
+
+class FitError(ValueError):
+    """Too few or too uniform step records to fit the model."""
+
+
+MIN_STEPS = 20
+
+
+def fit(m: ModelSpec, records: Iterable[StepRecord], source: str = "calibrated") -> Fit:
+    """Least relative squared error over the coefficients (all ≥ 0), for each ratio of the grid."""
+    import numpy as np
+
+    rows = [r for r in records if r.seconds > 0 and r.prompt_tokens + r.decode_tokens > 0]
+    if len(rows) < MIN_STEPS:
+        raise FitError(f"{len(rows)} step records; the fit needs at least {MIN_STEPS}")
+    costs = [
+        step_cost(
+            m,
+            r.prompt_tokens,
+            r.prompt_sequences,
+            r.decode_tokens,
+            r.decode_sequences,
+            r.context_tokens,
+        )
+        for r in rows
+    ]
+    seconds = np.array([r.seconds for r in rows])
+    weight = 1.0 / seconds
+    ones = np.ones(len(rows))
+    sequences = np.array([c.sequences for c in costs], dtype=float)
+    linear = np.array([c.linear_flops for c in costs])
+    moved = np.array([c.bytes for c in costs])
+    attention = np.array([c.attention_flops for c in costs])
+    best: tuple[float, float, np.ndarray] | None = None
+    for ratio in RATIO_GRID:
+        roof = np.maximum(linear / ratio, moved)  # seconds × bandwidth
+        columns = np.stack([ones, sequences, roof, attention], axis=1)
+        coefficients = _nnls(columns * weight[:, None], ones)
+        if coefficients is None or coefficients[2] <= 0:
+            continue
+        residual = float(np.sum((columns @ coefficients * weight - 1.0) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, ratio, coefficients)
+    if best is None:
+        raise FitError("no fit with a positive roofline term (are all steps identical?)")
+    _, ratio, (overhead, per_sequence, inverse_bw, inverse_attention) = best
+    bandwidth = 1.0 / inverse_bw
+    model = StepModel(
+        float(overhead),
+        float(per_sequence),
+        ratio * bandwidth,
+        bandwidth,
+        float(inverse_attention),
+        source,
+    )
+    errors = sorted(
+        abs(model.cost_seconds(c) - r.seconds) / r.seconds for c, r in zip(costs, rows, strict=True)
+    )
+    return Fit(model, len(rows), _quantile(errors, 0.5), _quantile(errors, 0.9))
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _nnls(a, b):
+    """Non-negative least squares for a handful of columns: the best unconstrained solution over
+    every subset of columns whose coefficients all come out ≥ 0 (exact for ≤ 6 columns)."""
+    import numpy as np
+
+    n = a.shape[1]
+    best, best_residual = None, math.inf
+    for size in range(1, n + 1):
+        for subset in itertools.combinations(range(n), size):
+            sub = a[:, subset]
+            solution, *_ = np.linalg.lstsq(sub, b, rcond=None)
+            if np.any(solution < 0):
+                continue
+            residual = float(np.sum((sub @ solution - b) ** 2))
+            if residual < best_residual:
+                full = np.zeros(n)
+                full[list(subset)] = solution
+                best, best_residual = full, residual
+    return best
+
+
+# -- where calibrations live -------------------------------------------------------------------
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_key(gpu_name: str | None = None, threads: int | None = None) -> str:
+    """The name a calibration is stored under: the GPU's (one device per engine), or the CPU's
+    model with the engine's thread count (a 1-core and a 2-core engine are different devices)."""
+    if gpu_name:
+        return _slug(gpu_name)
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    return f"cpu-{_slug(cpu_name())}-{threads}t"
+
+
+def model_key(model: str, dtype: str) -> str:
+    """A model folder (or hub name) and its dtype: `SmolLM2-135M-Instruct-bfloat16`."""
+    return f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{dtype}"
+
+
+CALIBRATION_ENV = "PDSERVE_CALIBRATION_DIR"
+
+
+def calibration_dir(cache: str | Path | None = None) -> Path:
+    """$PDSERVE_CALIBRATION_DIR, else <cache>/calibration (the model cache's folder)."""
+    from pdserve.model_prep import cache_dir
+
+    if os.environ.get(CALIBRATION_ENV):
+        return Path(os.environ[CALIBRATION_ENV]).expanduser()
+    return cache_dir(cache) / "calibration"
+
+
+def calibration_path(device: str, model: str, base: str | Path | None = None) -> Path:
+    """<base or calibration_dir()>/<device>/<model>.json (names as slugs)."""
+    root = Path(base) if base else calibration_dir()
+    return root / _slug(device) / f"{_slug(model)}.json"
+
+
+def _fit_dict(result: Fit) -> dict:
+    return {
+        "steps": result.steps,
+        "median_error": result.median_error,
+        "p90_error": result.p90_error,
+    }
+
+
+def save_calibration(
+    path: Path,
+    device: str,
+    model: ModelSpec,
+    result: Fit,
+    engine: dict | None = None,
+    roles: dict[str, Fit] | None = None,
+) -> Path:
+    """`result`: the fit over every engine of this device and model; `roles`: fits over one
+    role's engines ("prefill", "decode", "colocated"), which see different work and, on shared
+    machines, different neighbours."""
+    import time
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "version": CALIBRATION_VERSION,
+        "device": device,
+        "model": asdict(model),
+        "step_model": result.model.to_dict(),
+        "fit": _fit_dict(result),
+        "roles": {
+            role: {"step_model": fit.model.to_dict(), "fit": _fit_dict(fit)}
+            for role, fit in (roles or {}).items()
+        },
+        "engine": engine or {},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str
+    model: ModelSpec
+    step_model: StepModel
+    engine: dict
+    """The engine settings it was measured with (max_num_batched_tokens, max_num_seqs, ...)."""
+    fit: dict
+    path: Path | None = None
+    roles: dict[str, StepModel] | None = None
+    """Per-role step models, where the calibration had enough steps of that role."""
+
+    def for_role(self, role: str | None) -> StepModel:
+        """The role's own step model if there is one, else the shared one."""
+        return (self.roles or {}).get(role or "", self.step_model)
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise FitError(f"cannot read calibration {path}: {error}") from None
+    if data.get("version") != CALIBRATION_VERSION:
+        raise FitError(f"{path}: calibration version {data.get('version')!r} is not supported")
+    try:
+        model = ModelSpec(**data["model"])
+        step = StepModel.from_dict({**data["step_model"], "source": f"calibrated:{path}"})
+        roles = {
+            role: StepModel.from_dict(
+                {**entry["step_model"], "source": f"calibrated:{path}#{role}"}
+            )
+            for role, entry in (data.get("roles") or {}).items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise FitError(f"{path}: malformed calibration ({error})") from None
+    return Calibration(
+        data.get("device", "?"),
+        model,
+        step,
+        data.get("engine", {}),
+        data.get("fit", {}),
+        path,
+        roles,
+    )
+
+
+def find_step_model(device: str, model: str, role: str | None = None) -> StepModel | None:
+    """The stored calibration's step model for this device, model and role, if there is one."""
+    path = calibration_path(device, model)
+    if not path.is_file():
+        return None
+    try:
+        return load_calibration(path).for_role(role)
+    except FitError as error:
+        import logging
+
+        logging.getLogger(__name__).warning("ignoring calibration: %s", error)
+        return None
+
+
+DEFAULT_KV_GIB = 2
+"""KV cache assumed next to the weights when a calibrated device's memory is not given (pdserve's
+CPU engines' `kv_cache_space_gib`)."""
+DEFAULT_LINK_GBS = 1.0
+
+
+def calibration_device(
+    calibration: Calibration,
+    memory_gb: float | None = None,
+    interconnect_gbs: float | None = None,
+    model: ModelSpec | None = None,
+) -> DeviceSpec:
+    """A device described by what the calibration measured: its achieved rates as the roofs,
+    memory for the weights plus `DEFAULT_KV_GIB` of KV unless given, and the P→D link."""
+    from pdserve.roofline.model import weight_bytes as weights
+
+    step = calibration.step_model
+    if memory_gb:
+        memory = memory_gb * GB
+    else:  # the plan's KV check uses 90 % of memory: this leaves the KV what the engines have
+        memory = (weights(model or calibration.model) + DEFAULT_KV_GIB * GIB) / 0.9
+    return DeviceSpec(
+        calibration.device,
+        step.flops,
+        step.mem_bandwidth,
+        memory,
+        (interconnect_gbs or DEFAULT_LINK_GBS) * GB,
+    )

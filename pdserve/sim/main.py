@@ -1,0 +1,207 @@
+"""`pdserve simulate`: a workload through a simulated xPyD cluster, reported as `pdserve bench`
+reports a measured one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from pdserve.bench.main import workload_from_args
+from pdserve.bench.report import markdown_table, plot, read_records, write_json
+from pdserve.bench.stats import summarize
+from pdserve.bench.workload import Workload, arrival_times
+from pdserve.roofline.specs import DEVICES, PRESETS, SpecError, load_model
+from pdserve.roofline.stepmodel import FitError, StepModel, load_calibration
+from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
+
+ASSUMED_GPU = {
+    "flops_efficiency": 0.6,
+    "bandwidth_efficiency": 0.8,
+    "step_overhead_ms": 2.0,
+    "per_sequence_us": 10.0,
+}
+"""The step model of a GPU nobody has calibrated yet: shares of the datasheet peaks a tuned
+engine reaches on large GEMMs and on weight streaming, and a step's fixed cost with CUDA graphs.
+Assumptions, not measurements (docs/design.md, "The simulator")."""
+
+
+def gpu_step_model(
+    device: str,
+    tp: int = 1,
+    flops_efficiency: float = ASSUMED_GPU["flops_efficiency"],
+    bandwidth_efficiency: float = ASSUMED_GPU["bandwidth_efficiency"],
+    step_overhead_ms: float = ASSUMED_GPU["step_overhead_ms"],
+    per_sequence_us: float = ASSUMED_GPU["per_sequence_us"],
+) -> StepModel:
+    """A catalog GPU's step model from assumed efficiencies; `tp` GPUs per engine (tensor
+    parallel: their rates add up; the all-reduces are not priced)."""
+    spec = DEVICES[device]
+    flops = spec.peak_flops * flops_efficiency * tp
+    return StepModel(
+        step_overhead_ms / 1e3,
+        per_sequence_us / 1e6,
+        flops,
+        spec.mem_bandwidth * bandwidth_efficiency * tp,
+        1.0 / flops,
+        f"assumed:{device}x{tp}",
+    )
+
+
+def synthetic_requests(
+    workload: Workload, rate: float, count: int, seed: int = 0
+) -> list[SimRequest]:
+    """The bench's workloads (the same distributions; not the same draws: no token ids are
+    made) with Poisson arrivals."""
+    rng = random.Random(seed)
+    times = arrival_times("poisson", rate, count, rng)
+    requests = []
+    for index, at in enumerate(times):
+        if workload.name == "random":
+            prompt = rng.randint(*workload.prompt_range)
+            output = rng.randint(*workload.output_range)
+        else:
+            prompt, output = workload.prompt_len, workload.output_len
+        requests.append(SimRequest(index, at, prompt, output))
+    if workload.name == "interference":
+        at, index = workload.long_every_s / 2, count
+        while at <= times[-1]:
+            requests.append(
+                SimRequest(index, at, workload.long_prompt_len, workload.long_output_len, "long")
+            )
+            at, index = at + workload.long_every_s, index + 1
+        requests.sort(key=lambda r: r.at_s)
+    return requests
+
+
+def add_parser(commands) -> None:
+    sim = commands.add_parser(
+        "simulate",
+        help="discrete-event simulation of an xPyD cluster (calibrated step model)",
+        description="Run a workload (a bench record, or a synthetic mix as `pdserve bench` "
+        "makes them) through a simulated cluster: engines step as vLLM's scheduler does, priced "
+        "by a step-time model (a calibration from `pdserve plan calibrate`, or a catalog GPU "
+        "with assumed efficiencies), the router's own placement and routing policies, and a KV "
+        "link. Writes the same results.json / results.md / records.jsonl / plots as `pdserve "
+        "bench run`.",
+    )
+    t = sim.add_argument_group("topology")
+    t.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
+    t.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
+    t.add_argument(
+        "--colocated", type=int, default=0, help="colocated engines instead of P and D pools"
+    )
+    t.add_argument("--calibration", help="step model from this calibration file (a CPU node)")
+    t.add_argument(
+        "--gpu", choices=list(DEVICES), help="catalog GPU with assumed efficiencies instead"
+    )
+    t.add_argument("--model", help=f"with --gpu: a preset ({', '.join(PRESETS)}) or config.json")
+    t.add_argument("--tp", type=int, default=1, help="with --gpu: GPUs per engine")
+    t.add_argument("--max-num-seqs", type=int, default=None, help="default: calibration's or 64")
+    t.add_argument("--chunk", type=int, default=None, help="tokens per step (default 2048)")
+    t.add_argument("--link-gbs", type=float, default=1.0, help="P→D KV link, GB/s (default 1)")
+    t.add_argument("--link-latency-ms", type=float, default=1.0)
+    t.add_argument(
+        "--handover-ms", type=float, default=5.0, help="router relay of a prefilled request"
+    )
+    t.add_argument("--placement", choices=["adaptive", "remote", "threshold"], default="adaptive")
+    w = sim.add_argument_group("workload")
+    w.add_argument("--records", help="replay a bench records.jsonl(.xz)")
+    w.add_argument("--run", help="with --records: which run")
+    w.add_argument("--workload", choices=["fixed", "random", "interference"], default="fixed")
+    w.add_argument("--prompt-len", type=int, default=128)
+    w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    w.add_argument("--output-range", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    w.add_argument("--long-prompt-len", type=int, default=1536)
+    w.add_argument("--long-output-len", type=int, default=16)
+    w.add_argument("--long-every-s", type=float, default=10.0)
+    w.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
+    w.add_argument("--num-requests", type=int, default=200)
+    w.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--ttft-slo-s", type=float, default=2.0)
+    sim.add_argument("--tpot-slo-s", type=float, default=0.1)
+    sim.add_argument("--out", default="sim-results", help="folder for the report")
+    sim.set_defaults(func=cmd_simulate)
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    overheads = (0.0, 0.0)
+    if args.calibration:
+        calibration = load_calibration(args.calibration)
+        model, role_step = calibration.model, calibration.for_role
+        engine = calibration.engine
+        seqs = args.max_num_seqs or int(engine.get("max_num_seqs") or 64)
+        chunk = args.chunk or int(engine.get("max_num_batched_tokens") or 2048)
+        overheads = (
+            float(engine.get("request_overhead_s") or 0.0),
+            float(engine.get("token_overhead_s") or 0.0),
+        )
+    elif args.gpu:
+        model = load_model(args.model or "llama-3-8b")
+        step = gpu_step_model(args.gpu, args.tp)
+        role_step = lambda role: step  # noqa: E731
+        seqs, chunk = args.max_num_seqs or 256, args.chunk or 2048
+    else:
+        raise SpecError("give --calibration (a measured node) or --gpu (assumed efficiencies)")
+
+    def nodes(role: str, count: int) -> list[NodeSpec]:
+        return [NodeSpec(role_step(role), seqs, chunk)] * count
+
+    pools = (
+        {"colocated": nodes("colocated", args.colocated)}
+        if args.colocated
+        else {"prefill": nodes("prefill", args.prefill), "decode": nodes("decode", args.decode)}
+    )
+    return Topology(
+        model,
+        **pools,
+        link_bytes_per_s=args.link_gbs * 1e9,
+        link_latency_s=args.link_latency_ms / 1e3,
+        request_overhead_s=overheads[0],
+        token_overhead_s=overheads[1],
+        handover_latency_s=args.handover_ms / 1e3,
+        placement=args.placement,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        topology = topology_from_args(args)
+        if args.records:
+            runs = read_records(Path(args.records))
+            if args.run and args.run not in runs:
+                raise ValueError(f"no run {args.run!r} in {args.records}; runs: {', '.join(runs)}")
+            chosen = runs[args.run] if args.run else [r for rs in runs.values() for r in rs]
+            requests = requests_from_records(chosen)
+        else:
+            workload = workload_from_args(args)
+            requests = synthetic_requests(workload, args.rate, args.num_requests, args.seed)
+    except (SpecError, FitError, ValueError, OSError) as error:
+        print(f"pdserve simulate: {error}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("pdserve simulate: no requests to simulate", file=sys.stderr)
+        return 2
+    result = simulate(topology, requests)
+    span = max(r.at_s for r in requests) - min(r.at_s for r in requests)
+    summary = summarize(result.records, max(span, 1e-9), args.ttft_slo_s, args.tpot_slo_s)
+    summary["placements"] = result.placements
+    summary["busy_share"] = result.busy_share
+    label = "simulated"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    write_json(out, {"settings": settings, "runs": {label: summary}}, {label: result.records})
+    text = f"# pdserve simulate\n\n{markdown_table({label: summary})}"
+    (out / "results.md").write_text(text)
+    plot(out, {label: result.records})
+    print(text)
+    print(
+        f"placements: {json.dumps(result.placements)}; engines busy: "
+        + ", ".join(f"{k} {v:.0%}" for k, v in result.busy_share.items())
+    )
+    print(f"wrote {out}/")
+    return 0

@@ -1,0 +1,152 @@
+"""The cluster simulator against timings worked out by hand, and its use of the router's own
+placement and routing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.roofline.specs import PRESETS
+from pdserve.roofline.stepmodel import Fit, StepModel, save_calibration
+from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
+from pdserve.sim.main import gpu_step_model, synthetic_requests
+
+SMOL = PRESETS["smollm2-135m"]
+FREE = 1e30
+FLAT = StepModel(0.010, 0.001, FREE, FREE, 0.0, "flat")
+"""A step costs 10 ms + 1 ms per sequence, whatever its tokens: timings by hand."""
+
+
+def _node(step=FLAT, seqs=64, chunk=2048) -> NodeSpec:
+    return NodeSpec(step, seqs, chunk)
+
+
+def test_one_request_on_one_engine():
+    topology = Topology(SMOL, colocated=[_node()], request_overhead_s=0.005)
+    result = simulate(topology, [SimRequest(0, 1.0, 100, 4)])
+    record = result.records[0]
+    # four steps of one sequence (the prompt's samples the first token), 11 ms each
+    assert record.token_times_s == pytest.approx([1.016, 1.022, 1.033, 1.044])
+    assert record.ttft == pytest.approx(0.016) and record.output_tokens == 4
+    assert record.end_s == pytest.approx(1.044)
+
+
+def test_a_long_prompt_runs_chunk_by_chunk():
+    topology = Topology(SMOL, colocated=[_node(chunk=512)])
+    record = simulate(topology, [SimRequest(0, 0.0, 1500, 1)]).records[0]
+    assert record.ttft == pytest.approx(3 * 0.011)  # 512 + 512 + 476
+
+
+def test_concurrent_requests_share_steps():
+    topology = Topology(SMOL, colocated=[_node()])
+    result = simulate(topology, [SimRequest(0, 0.0, 10, 3), SimRequest(1, 0.0, 10, 3)])
+    a, b = result.records
+    # the first arrival starts a step alone; the second joins the next one (12 ms: two sequences)
+    assert a.token_times_s == pytest.approx([0.011, 0.023, 0.035])
+    assert b.token_times_s == pytest.approx([0.023, 0.035, 0.046])
+
+
+def test_batch_slots_make_requests_wait():
+    topology = Topology(SMOL, colocated=[_node(seqs=1)])
+    a, b = simulate(topology, [SimRequest(0, 0.0, 10, 2), SimRequest(1, 0.0, 10, 2)]).records
+    assert a.end_s == pytest.approx(0.022)
+    assert b.ttft == pytest.approx(0.033)  # admitted once the first left
+
+
+def test_disaggregated_request_crosses_the_seam():
+    topology = Topology(
+        SMOL,
+        prefill=[_node()],
+        decode=[_node()],
+        link_bytes_per_s=1e9,
+        link_latency_s=0.001,
+        handover_latency_s=0.002,
+        placement="remote",
+    )
+    prompt = 1000
+    result = simulate(topology, [SimRequest(0, 0.0, prompt, 3)])
+    record = result.records[0]
+    pull = prompt * 30 * 768 / 1e9 + 0.001  # SmolLM2: 23 KiB of KV per token
+    second = 0.011 + 0.002 + pull + 0.011  # prefill step, relay, the pull holds the admitting step
+    assert record.token_times_s == pytest.approx([0.011, second, second + 0.011])
+    assert result.placements == {"remote/mode": 1}
+    assert result.handover_gaps_s == pytest.approx([second - 0.011])
+
+
+def test_adaptive_placement_keeps_a_short_prompt_off_a_busy_prefill_node():
+    # prefill at 1000 tokens/s; a 3000-token prompt then a short one: adaptive computes the short
+    # one on its decode node (the router's own rule, router/placement.py)
+    slow = StepModel(0.0, 0.0, 1.0, FREE, 0.0, "slow")
+    per_token = slow.seconds(SMOL, 1, 1, 0, 0, 0)
+    step = StepModel(0.0, 0.0, per_token * 1000, FREE, 0.0, "1k tokens/s")
+    requests = [SimRequest(0, 0.0, 3000, 4), SimRequest(1, 0.1, 50, 4)]
+    topology = Topology(SMOL, prefill=[_node(step)], decode=[_node(step)], placement="adaptive")
+    result = simulate(topology, requests)
+    # the long one: 3 s either way, too long to stall the decode node with
+    assert result.placements == {"remote/stall": 1, "local/prefill_backlog": 1}
+    long, short = result.records
+    assert short.ttft < 0.2 < long.ttft
+    remote = simulate(
+        Topology(SMOL, prefill=[_node(step)], decode=[_node(step)], placement="remote"), requests
+    )
+    assert remote.records[1].ttft > 2.0  # behind the long prompt's first chunk
+
+
+def test_least_outstanding_spreads_over_decode_nodes():
+    topology = Topology(SMOL, prefill=[_node()], decode=[_node(), _node()], placement="remote")
+    requests = [SimRequest(i, 0.0, 10, 50) for i in range(10)]
+    result = simulate(topology, requests)
+    assert result.busy_share["decode-0"] == pytest.approx(result.busy_share["decode-1"], rel=0.2)
+    assert all(r.ok for r in result.records)
+
+
+def test_topology_rejects_a_cluster_without_decode():
+    with pytest.raises(ValueError, match="decode"):
+        Topology(SMOL, prefill=[_node()])
+    with pytest.raises(ValueError, match="mix"):
+        Topology(SMOL, colocated=[_node()], decode=[_node()])
+
+
+def test_synthetic_requests_and_record_replay():
+    from pdserve.bench.workload import Workload
+
+    mix = synthetic_requests(Workload("interference", 64, 128, long_every_s=5), 2.0, 40, seed=1)
+    longs = [r for r in mix if r.kind == "long"]
+    assert len(longs) >= 2 and all(r.prompt_tokens == 1536 for r in longs)
+    assert [r.at_s for r in mix] == sorted(r.at_s for r in mix)
+    rec = simulate(Topology(SMOL, colocated=[_node()]), mix[:5]).records
+    replay = requests_from_records(rec)
+    assert [(r.prompt_tokens, r.output_tokens) for r in replay] == [
+        (r.prompt_tokens, r.output_tokens) for r in mix[:5]
+    ]
+
+
+def test_gpu_step_model_from_assumed_efficiencies():
+    step = gpu_step_model("h100-sxm", tp=2, flops_efficiency=0.5, bandwidth_efficiency=1.0)
+    assert step.flops == pytest.approx(989e12) and step.mem_bandwidth == pytest.approx(6.7e12)
+    llama = PRESETS["llama-3-8b"]
+    # decode at batch 1 is the weights over the bandwidth, plus the step's overhead
+    assert step.decode_step_seconds(llama, 1, 100) == pytest.approx(
+        0.002 + 16.06e9 / 6.7e12, rel=0.02
+    )
+
+
+def test_simulate_cli_writes_a_report(tmp_path, capsys):
+    path = save_calibration(
+        tmp_path / "cal.json",
+        "cpu-test-1t",
+        SMOL,
+        Fit(StepModel(0.004, 0.0008, 150e9, 8e9, 1 / 60e9), 400, 0.01, 0.02),
+        {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "request_overhead_s": 0.01},
+    )
+    out = tmp_path / "sim"
+    args = ["simulate", "--calibration", str(path), "--rate", "2", "--num-requests", "30"]
+    assert main([*args, "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    run = results["runs"]["simulated"]
+    assert run["completed"] == 30 and run["ttft_s"]["p50"] > 0.01
+    assert (out / "records.jsonl").is_file() and (out / "latency_cdf.png").is_file()
+    assert main(["simulate", "--out", str(out)]) == 2
+    assert "--calibration" in capsys.readouterr().err
