@@ -183,6 +183,9 @@ class RouterConfig(_Strict):
     """With no healthy prefill node, prefill on the decode node instead of failing."""
     placement: PlacementConfig = PlacementConfig()
     """Disaggregated mode: where each request's prompt is computed."""
+    tpot_target_s: float = Field(0.1, gt=0)
+    """The time per output token a decode node should stay within: the decode side of the pool
+    balance in calibrated cost (predicted step time ÷ this; router/metrics/balance.py)."""
     enable_prompt_tokens_details: bool = False
     """Report the prompt tokens found in the prefix cache in `usage.prompt_tokens_details`, as
     vLLM's server does with `--enable-prompt-tokens-details`."""

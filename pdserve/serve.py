@@ -237,7 +237,9 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             started_infos[0].max_model_len,
             config.router.enable_prompt_tokens_details,
         )
-        metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
+        metrics = RouterMetrics(
+            dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
+        )
         metrics.watch(dispatcher)
         admission = Admission(config.router.max_outstanding_requests)
         service = RouterService(

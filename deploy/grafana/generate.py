@@ -261,11 +261,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "Balance in calibrated cost",
                 [
                     ("pdserve_pool_balance_cost_ratio", "prefill ÷ decode"),
-                    ("pdserve_pool_calibrated_busy_ratio", "{{pool}} busy"),
+                    ("pdserve_pool_cost_pressure_ratio", "{{pool}} pressure"),
                 ],
-                description="Each pool's work per node priced by the step-time model (step "
-                "seconds per second) and their ratio: above 1 the prefill pool is the "
-                "bottleneck.",
+                description="The share of its budget each pool's work uses, priced by the "
+                "step-time model (prefill: step time per second; decode: predicted step ÷ TPOT "
+                "target, or its slots if fuller; plus queued requests), and their ratio: above 1 "
+                "the prefill pool is the bottleneck (router/metrics/balance.py). What the "
+                "autoscaler reads (router/autoscale.py).",
             ),
         ],
     ),

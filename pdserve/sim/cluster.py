@@ -36,6 +36,8 @@ from pdserve.engine.types import NodeStats
 from pdserve.roofline.model import kv_bytes_per_token
 from pdserve.roofline.specs import ModelSpec
 from pdserve.roofline.stepmodel import StepModel
+from router.autoscale import AutoscalePolicy, Autoscaler
+from router.metrics.balance import Window, cost_pressure
 from router.nodes import Node, NodeClient
 from router.placement import LOCAL, Placement
 from router.policies import make_policy
@@ -81,6 +83,10 @@ class Topology:
     stall_budget_s: float = 0.15
     threshold_tokens: int = 256
     policy: str = "least_outstanding"
+    autoscale: AutoscalePolicy | None = None
+    """Move engines between the prefill and decode pools at run time (router/autoscale.py)."""
+    tpot_target_s: float = 0.1
+    """The decode side of the balance the autoscaler reads."""
 
     def __post_init__(self) -> None:
         if not self.colocated and not self.decode:
@@ -226,6 +232,8 @@ class SimResult:
     placements: dict[str, int] = field(default_factory=dict)
     handover_gaps_s: list[float] = field(default_factory=list)
     busy_share: dict[str, float] = field(default_factory=dict)
+    moves: list[dict] = field(default_factory=list)
+    """Autoscale decisions that moved an engine: time, action, ratio, pool sizes after."""
 
 
 class Simulator:
@@ -255,6 +263,9 @@ class Simulator:
         )
         self.placements: dict[str, int] = {}
         self.gaps: list[float] = []
+        self.autoscaler = Autoscaler(topology.autoscale) if topology.autoscale else None
+        self.moves: list[dict] = []
+        self._seen: dict[str, tuple[float, int]] = {}
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._order), action))
@@ -274,11 +285,75 @@ class Simulator:
         for request, record in zip(requests, records, strict=True):
             self.at(request.at_s, lambda r=request, rec=record: self._arrive(r, rec))
         self.at(0.0, self._report)
+        if self.autoscaler is not None:
+            self.at(self.topology.autoscale.interval_s, self._autoscale)
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
             action()
         busy = {e.name: e.totals.busy_seconds_total / self.now for e in self._engines()}
-        return SimResult(records, self.now, dict(self.placements), self.gaps, busy)
+        return SimResult(records, self.now, dict(self.placements), self.gaps, busy, self.moves)
+
+    # -- pools that follow the balance ------------------------------------------------------------
+
+    def _pressure(self, engines: list[SimEngine], role: str, interval: float) -> float | None:
+        """Mean pressure of a pool over the last interval, as router/metrics/balance.py's
+        `cost_pressure` reads it from a node's stats."""
+        values = []
+        for engine in engines:
+            busy, steps = engine.totals.busy_seconds_total, engine.totals.engine_steps_total
+            last_busy, last_steps = self._seen.get(engine.name, (0.0, 0))
+            rate = (busy - last_busy) / interval  # simulated steps take what the model says
+            window = Window(
+                seconds=interval,
+                flops=0.0,
+                bytes=0.0,
+                busy=rate,
+                prompt_busy=0.0,
+                predicted_busy=rate,
+                steps=(steps - last_steps) / interval,
+            )
+            stats = NodeStats(
+                running=len(engine.running),
+                waiting=len(engine.waiting),
+                max_num_seqs=engine.spec.max_num_seqs,
+            )
+            values.append(cost_pressure(role, window, self.topology.tpot_target_s, stats))
+        return sum(values) / len(values) if values else None
+
+    def _autoscale(self) -> None:
+        policy = self.topology.autoscale
+        prefill = self._pressure(self.prefill, "prefill", policy.interval_s)
+        decode = self._pressure(self.decode, "decode", policy.interval_s)
+        for engine in self._engines():
+            self._seen[engine.name] = (
+                engine.totals.busy_seconds_total,
+                engine.totals.engine_steps_total,
+            )
+        decision = self.autoscaler.decide(
+            self.now, prefill, decode, len(self.prefill), len(self.decode)
+        )
+        if decision.action != "hold":
+            source, target = (
+                (self.decode, self.prefill)
+                if decision.action == "to_prefill"
+                else (self.prefill, self.decode)
+            )
+            # the least busy engine changes role; what it runs, it finishes
+            engine = min(source, key=lambda e: (e.node.outstanding, len(e.running)))
+            source.remove(engine)
+            target.append(engine)
+            self.moves.append(
+                {
+                    "at_s": self.now,
+                    "action": decision.action,
+                    "engine": engine.name,
+                    "ratio": decision.ratio,
+                    "prefill": len(self.prefill),
+                    "decode": len(self.decode),
+                }
+            )
+        if self._pending:
+            self.at(self.now + policy.interval_s, self._autoscale)
 
     # -- the router --------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from pdserve.bench.workload import Workload, arrival_times
 from pdserve.roofline.specs import DEVICES, PRESETS, SpecError, load_model
 from pdserve.roofline.stepmodel import FitError, StepModel, load_calibration
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
+from router.autoscale import AutoscalePolicy
 
 ASSUMED_GPU = {
     "flops_efficiency": 0.6,
@@ -101,12 +102,33 @@ def add_parser(commands) -> None:
     t.add_argument("--tp", type=int, default=1, help="with --gpu: GPUs per engine")
     t.add_argument("--max-num-seqs", type=int, default=None, help="default: calibration's or 64")
     t.add_argument("--chunk", type=int, default=None, help="tokens per step (default 2048)")
-    t.add_argument("--link-gbs", type=float, default=1.0, help="P→D KV link, GB/s (default 1)")
+    t.add_argument(
+        "--link-gbs",
+        type=float,
+        help="P→D KV link, GB/s (default: 1 with --calibration, loopback TCP on a CPU host; 50 "
+        "with --gpu, a 400 Gb/s NIC)",
+    )
     t.add_argument("--link-latency-ms", type=float, default=1.0)
     t.add_argument(
         "--handover-ms", type=float, default=5.0, help="router relay of a prefilled request"
     )
     t.add_argument("--placement", choices=["adaptive", "remote", "threshold"], default="adaptive")
+    a = sim.add_argument_group("pools that follow the balance (router/autoscale.py)")
+    a.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="move engines between the prefill and decode pools as the balance says",
+    )
+    a.add_argument("--autoscale-interval-s", type=float, default=5.0)
+    a.add_argument("--autoscale-cooldown-s", type=float, default=30.0)
+    a.add_argument(
+        "--autoscale-reversal-s", type=float, default=120.0, help="before undoing the last move"
+    )
+    a.add_argument("--min-prefill", type=int, default=1)
+    a.add_argument("--min-decode", type=int, default=1)
+    a.add_argument(
+        "--tpot-target-s", type=float, default=0.1, help="the decode side of the balance"
+    )
     w = sim.add_argument_group("workload")
     w.add_argument("--records", help="replay a bench records.jsonl(.xz)")
     w.add_argument("--run", help="with --records: which run")
@@ -158,12 +180,22 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     return Topology(
         model,
         **pools,
-        link_bytes_per_s=args.link_gbs * 1e9,
+        link_bytes_per_s=(args.link_gbs or (50.0 if args.gpu else 1.0)) * 1e9,
         link_latency_s=args.link_latency_ms / 1e3,
         request_overhead_s=overheads[0],
         token_overhead_s=overheads[1],
         handover_latency_s=args.handover_ms / 1e3,
         placement=args.placement,
+        autoscale=AutoscalePolicy(
+            interval_s=args.autoscale_interval_s,
+            cooldown_s=args.autoscale_cooldown_s,
+            reversal_s=args.autoscale_reversal_s,
+            min_prefill=args.min_prefill,
+            min_decode=args.min_decode,
+        )
+        if args.autoscale
+        else None,
+        tpot_target_s=args.tpot_target_s,
     )
 
 
@@ -190,6 +222,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     summary = summarize(result.records, max(span, 1e-9), args.ttft_slo_s, args.tpot_slo_s)
     summary["placements"] = result.placements
     summary["busy_share"] = result.busy_share
+    summary["autoscale_moves"] = result.moves
     label = "simulated"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,5 +236,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"placements: {json.dumps(result.placements)}; engines busy: "
         + ", ".join(f"{k} {v:.0%}" for k, v in result.busy_share.items())
     )
+    for move in result.moves:
+        print(
+            f"autoscale at {move['at_s']:.1f} s: {move['engine']} {move['action']} (prefill ÷ "
+            f"decode {move['ratio']:.2f}) → {move['prefill']}P{move['decode']}D"
+        )
     print(f"wrote {out}/")
     return 0

@@ -10,10 +10,16 @@ A pool's load is the mean over its healthy nodes; ≥ 1 means requests queue. Th
 prefill load ÷ decode load: above 1 the prefill pool is the bottleneck (move the P:D ratio toward
 prefill), below 1 the decode pool is.
 
-The same ratio in calibrated cost (`pdserve_pool_balance_cost_ratio`): each node's work priced
-by its step-time model (seconds of steps per second, pdserve.roofline.stepmodel), averaged per
-pool: what the calibrated model says each pool's traffic costs, independent of how busy the
-engines happened to be.
+The same question in calibrated cost (`pdserve_pool_balance_cost_ratio`), each node's steps priced
+by its step-time model (pdserve.roofline.stepmodel), as the share of its budget its work uses:
+- a prefill (or colocated) node: predicted step seconds per second — its compute time;
+- a decode node: its predicted mean step time ÷ the TPOT target (`router.tpot_target_s`), or
+  its batch slots and KV cache if fuller — a decode node is short of capacity when its steps
+  approach the time each token may take or it has no room for more streams, not when it is busy
+  (it is busy whenever one stream decodes);
+- either: plus the requests waiting in its engine ÷ `max_num_seqs` (demand it has no room for).
+Pool pressure is the mean over healthy nodes; prefill ÷ decode above 1: prefill is the
+bottleneck. This is the signal `router/autoscale.py` acts on.
 """
 
 from __future__ import annotations
@@ -85,6 +91,20 @@ def step_times(window: Window | None) -> tuple[float, float] | None:
     if window is None or window.steps <= 0:
         return None
     return window.busy / window.steps, window.predicted_busy / window.steps
+
+
+def cost_pressure(
+    role: str, window: Window | None, tpot_target_s: float, stats: NodeStats | None = None
+) -> float:
+    """The share of its budget a node's work uses in calibrated cost (module docstring)."""
+    slots = max(1, stats.max_num_seqs or 1) if stats else 1
+    queue = stats.waiting / slots if stats else 0.0
+    if role == "decode":
+        times = step_times(window)
+        steps = times[1] / tpot_target_s if times else 0.0
+        room = max(stats.kv_cache_usage, stats.running / slots) if stats else 0.0
+        return max(steps, room) + queue
+    return (window.predicted_busy if window else 0.0) + queue
 
 
 def pool_load(loads: Iterable[float]) -> float | None:

@@ -8,36 +8,51 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from pdserve.engine.types import QUEUE_TIME_BUCKETS
 from pdserve.kv.stats import FAILURE_REASONS
-from router.metrics.balance import Window, balance_ratio, node_load, pool_load, step_times
+from router.metrics.balance import (
+    Window,
+    balance_ratio,
+    cost_pressure,
+    node_load,
+    pool_load,
+    step_times,
+)
 
 
 class PoolCollector:
     """Builds the node and pool series from `Pool.nodes` each time Prometheus scrapes."""
 
-    def __init__(self, pools: dict[str, Any], window_s: float) -> None:
-        self.pools, self.window_s = pools, window_s
+    def __init__(self, pools: dict[str, Any], window_s: float, tpot_target_s: float = 0.1) -> None:
+        self.pools, self.window_s, self.tpot_target_s = pools, window_s, tpot_target_s
 
     def collect(self):
         families = _NodeFamilies()
         loads: dict[str, float] = {}
-        costs: dict[str, float] = {}
+        busy: dict[str, float] = {}
+        pressures: dict[str, float] = {}
         for pool_name, pool in self.pools.items():
-            node_loads, node_costs = [], []
+            node_loads, node_busy, node_pressures = [], [], []
             for node in pool.nodes:
                 window = Window.of(node.history, self.window_s)
                 families.add_node(pool_name, node, window)
                 if node.healthy and node.reported:
                     node_loads.append(node_load(node.stats, window))
-                    node_costs.append(window.predicted_busy if window else 0.0)
+                    node_busy.append(window.predicted_busy if window else 0.0)
+                    node_pressures.append(
+                        cost_pressure(pool_name, window, self.tpot_target_s, node.stats)
+                    )
             families.add_pool(pool_name, pool)
             load = pool_load(node_loads)
             if load is not None:
                 loads[pool_name] = load
                 families.pool_load.add_metric([pool_name], load)
-            cost = pool_load(node_costs)
-            if cost is not None:
-                costs[pool_name] = cost
-                families.pool_cost.add_metric([pool_name], cost)
+            mean_busy = pool_load(node_busy)
+            if mean_busy is not None:
+                busy[pool_name] = mean_busy
+                families.pool_cost.add_metric([pool_name], mean_busy)
+            pressure = pool_load(node_pressures)
+            if pressure is not None:
+                pressures[pool_name] = pressure
+                families.pool_pressure.add_metric([pool_name], pressure)
         yield from families.all()
         if "prefill" in self.pools and "decode" in self.pools:
             balance = GaugeMetricFamily(
@@ -50,13 +65,13 @@ class PoolCollector:
             yield balance
             cost_balance = GaugeMetricFamily(
                 "pdserve_pool_balance_cost_ratio",
-                "Prefill pool / decode pool work per node in calibrated cost (step seconds per "
-                "second as each node's step-time model prices its steps): > 1 prefill is the "
-                "bottleneck.",
+                "Prefill pool pressure / decode pool pressure in calibrated cost (prefill: share "
+                "of time its prompt steps take; decode: predicted step time / TPOT target): > 1 "
+                "prefill is the bottleneck.",
             )
-            if "decode" in costs:
+            if "decode" in pressures:
                 cost_balance.add_metric(
-                    [], balance_ratio(costs.get("prefill", 0.0), costs["decode"])
+                    [], balance_ratio(pressures.get("prefill", 0.0), pressures["decode"])
                 )
             yield cost_balance
 
@@ -176,6 +191,12 @@ class _NodeFamilies:
         self.pool_load = GaugeMetricFamily(
             "pdserve_pool_load_ratio",
             "Mean demand / capacity of the pool's healthy nodes (>= 1: requests queue).",
+            labels=["pool"],
+        )
+        self.pool_pressure = GaugeMetricFamily(
+            "pdserve_pool_cost_pressure_ratio",
+            "Share of its budget the pool's work uses in calibrated cost (prefill: time its "
+            "prompt steps take; decode: predicted step time / TPOT target).",
             labels=["pool"],
         )
         self.pool_cost = GaugeMetricFamily(

@@ -27,7 +27,13 @@ disable_created_metrics()  # no `_created` series: nothing here reads them
 class RouterMetrics:
     """The router's own instruments, registered in a private registry with the pool collector."""
 
-    def __init__(self, pools: dict[str, Any], mode: str, window_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        pools: dict[str, Any],
+        mode: str,
+        window_s: float = 15.0,
+        tpot_target_s: float = 0.1,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -106,7 +112,7 @@ class RouterMetrics:
         for pool in pools:
             self.retries.labels(pool=pool)
             self.resumes.labels(pool=pool)
-        r.register(PoolCollector(pools, window_s))
+        r.register(PoolCollector(pools, window_s, tpot_target_s))
 
     def watch(self, dispatcher: Any) -> None:
         """Count the dispatcher's routing decisions and prefill fallbacks."""

@@ -150,3 +150,62 @@ def test_simulate_cli_writes_a_report(tmp_path, capsys):
     assert (out / "records.jsonl").is_file() and (out / "latency_cdf.png").is_file()
     assert main(["simulate", "--out", str(out)]) == 2
     assert "--calibration" in capsys.readouterr().err
+
+
+def test_autoscale_rule_holds_moves_and_respects_bounds_and_cooldown():
+    from router.autoscale import AutoscalePolicy, Autoscaler
+
+    policy = AutoscalePolicy(
+        cooldown_s=30, reversal_s=35, high=1.5, min_pressure=0.5, max_prefill=3
+    )
+    scaler = Autoscaler(policy)
+    assert scaler.decide(0, None, 0.5, 1, 3).reason == "no_signal"
+    assert scaler.decide(0, 0.6, 0.5, 1, 3).reason == "balanced"
+    assert scaler.decide(0, 0.3, 0.1, 1, 3).reason == "idle"  # prefill 3x decode, but not busy
+    moved = scaler.decide(1, 0.9, 0.3, 1, 3)
+    assert (moved.action, moved.ratio) == ("to_prefill", pytest.approx(3.0))
+    assert scaler.decide(20, 0.9, 0.3, 2, 2).reason == "cooldown"
+    assert scaler.decide(31, 0.9, 0.3, 3, 1).reason == "at_bounds"  # decode at its minimum
+    assert scaler.decide(32, 0.2, 0.9, 3, 1).reason == "reversal"  # undoing the last move: wait
+    assert scaler.decide(40, 0.2, 0.9, 3, 1).action == "to_decode"
+    assert scaler.decide(80, 0.2, 0.9, 1, 3).reason == "at_bounds"  # prefill at its minimum
+    with pytest.raises(ValueError, match="high"):
+        AutoscalePolicy(high=1.0)
+    with pytest.raises(ValueError, match="decode"):
+        AutoscalePolicy(min_decode=0)
+
+
+def test_autoscaled_pools_follow_a_shift_to_long_prompts():
+    from router.autoscale import AutoscalePolicy
+
+    step = gpu_step_model("h100-sxm")
+    llama = PRESETS["llama-3-8b"]
+    node = NodeSpec(step, 256, 2048)
+    # first decode-heavy (short prompts, long outputs), then prefill-heavy (long prompts)
+    requests = [SimRequest(i, i * 0.02, 256, 400) for i in range(1500)]
+    requests += [SimRequest(1500 + i, 30 + i * 0.02, 2000, 8) for i in range(1500)]
+
+    def run(autoscale):
+        topology = Topology(
+            llama,
+            prefill=[node] * 2,
+            decode=[node] * 6,
+            link_bytes_per_s=50e9,
+            placement="remote",
+            autoscale=autoscale,
+            tpot_target_s=0.05,
+        )
+        return simulate(topology, requests, keep_tokens=False)
+
+    fixed = run(None)
+    scaled = run(AutoscalePolicy(interval_s=2, cooldown_s=4))
+    assert fixed.moves == []
+    assert scaled.moves and all(m["action"] == "to_prefill" for m in scaled.moves)
+    assert scaled.moves[0]["at_s"] > 30  # nothing moves while decode is the heavier side
+    assert all(m["decode"] >= 1 for m in scaled.moves)
+
+    def late_ttft_p90(result):
+        ttfts = sorted(r.ttft for r in result.records if r.sent_s > 45)
+        return ttfts[int(0.9 * len(ttfts))]
+
+    assert late_ttft_p90(scaled) < late_ttft_p90(fixed) / 2

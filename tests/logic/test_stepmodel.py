@@ -38,7 +38,7 @@ from pdserve.roofline.stepmodel import (
     step_cost,
 )
 from router.metrics import RouterMetrics
-from router.metrics.balance import Window, step_times
+from router.metrics.balance import Window, cost_pressure, step_times
 from router.nodes import Node
 from router.policies import make_policy
 from router.pools import Pool
@@ -272,7 +272,21 @@ def test_window_step_times_and_the_exported_series():
     ) == pytest.approx(5.0)
     assert value("pdserve_node_engine_steps_total", pool="decode", node="d0") == 100
     assert value("pdserve_pool_calibrated_busy_ratio", pool="prefill") == pytest.approx(0.5)
+    assert value("pdserve_pool_cost_pressure_ratio", pool="decode") == pytest.approx(0.01 / 0.1)
     assert value("pdserve_pool_balance_cost_ratio") == pytest.approx(0.5 / 0.1)
+
+
+def test_cost_pressure_of_each_role():
+    window = Window.of([_history(0, 0, 0, 0), _history(10, 4.0, 3.0, 100)], 30)
+    # prefill: the share of time its steps take by the model (3 s of 10), plus its queue
+    assert cost_pressure("prefill", window, 0.1) == pytest.approx(0.3)
+    queued = NodeStats(max_num_seqs=64, waiting=16)
+    assert cost_pressure("prefill", window, 0.1, queued) == pytest.approx(0.55)
+    # decode: the predicted step (30 ms) against the TPOT target, or its slots if fuller
+    assert cost_pressure("decode", window, 0.1) == pytest.approx(0.3)
+    full = NodeStats(max_num_seqs=64, running=64, waiting=32)
+    assert cost_pressure("decode", window, 0.1, full) == pytest.approx(1.5)
+    assert cost_pressure("decode", None, 0.1) == 0.0
 
 
 def test_plan_cli_with_a_calibration_and_a_measured_workload(tmp_path, capsys):
