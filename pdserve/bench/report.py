@@ -87,9 +87,12 @@ def read_records(path: Path) -> dict[str, list[RequestRecord]]:
     else:
         text = path.read_text()
     records: dict[str, list[RequestRecord]] = {}
-    for line in text.splitlines():
-        data = json.loads(line)
-        records.setdefault(data.pop("run"), []).append(RequestRecord(**data))
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            data = json.loads(line)
+            records.setdefault(data.pop("run"), []).append(RequestRecord(**data))
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise ValueError(f"{path}:{number}: not a bench record ({error})") from None
     return records
 
 

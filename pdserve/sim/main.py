@@ -77,6 +77,34 @@ def synthetic_requests(
     return requests
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _count_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def add_parser(commands) -> None:
     sim = commands.add_parser(
         "simulate",
@@ -89,28 +117,32 @@ def add_parser(commands) -> None:
         "bench run`.",
     )
     t = sim.add_argument_group("topology")
-    t.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
-    t.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
+    t.add_argument("--prefill", type=_count, default=1, help="prefill engines (default 1)")
+    t.add_argument("--decode", type=_count, default=1, help="decode engines (default 1)")
     t.add_argument(
-        "--colocated", type=int, default=0, help="colocated engines instead of P and D pools"
+        "--colocated", type=_count, default=0, help="colocated engines instead of P and D pools"
     )
     t.add_argument("--calibration", help="step model from this calibration file (a CPU node)")
     t.add_argument(
         "--gpu", choices=list(DEVICES), help="catalog GPU with assumed efficiencies instead"
     )
     t.add_argument("--model", help=f"with --gpu: a preset ({', '.join(PRESETS)}) or config.json")
-    t.add_argument("--tp", type=int, default=1, help="with --gpu: GPUs per engine")
-    t.add_argument("--max-num-seqs", type=int, default=None, help="default: calibration's or 64")
-    t.add_argument("--chunk", type=int, default=None, help="tokens per step (default 2048)")
+    t.add_argument("--tp", type=_positive_int, default=1, help="with --gpu: GPUs per engine")
+    t.add_argument(
+        "--max-num-seqs", type=_positive_int, default=None, help="default: calibration's or 64"
+    )
+    t.add_argument(
+        "--chunk", type=_positive_int, default=None, help="tokens per step (default 2048)"
+    )
     t.add_argument(
         "--link-gbs",
-        type=float,
+        type=_positive,
         help="P→D KV link, GB/s (default: 1 with --calibration, loopback TCP on a CPU host; 50 "
         "with --gpu, a 400 Gb/s NIC)",
     )
-    t.add_argument("--link-latency-ms", type=float, default=1.0)
+    t.add_argument("--link-latency-ms", type=_count_float, default=1.0)
     t.add_argument(
-        "--handover-ms", type=float, default=5.0, help="router relay of a prefilled request"
+        "--handover-ms", type=_count_float, default=5.0, help="router relay of a prefilled request"
     )
     t.add_argument("--placement", choices=["adaptive", "remote", "threshold"], default="adaptive")
     a = sim.add_argument_group("pools that follow the balance (router/autoscale.py)")
@@ -119,32 +151,39 @@ def add_parser(commands) -> None:
         action="store_true",
         help="move engines between the prefill and decode pools as the balance says",
     )
-    a.add_argument("--autoscale-interval-s", type=float, default=5.0)
-    a.add_argument("--autoscale-cooldown-s", type=float, default=30.0)
+    a.add_argument("--autoscale-interval-s", type=_positive, default=5.0)
+    a.add_argument("--autoscale-cooldown-s", type=_count_float, default=30.0)
     a.add_argument(
-        "--autoscale-reversal-s", type=float, default=120.0, help="before undoing the last move"
+        "--autoscale-reversal-s",
+        type=_count_float,
+        default=120.0,
+        help="before undoing the last move",
     )
-    a.add_argument("--min-prefill", type=int, default=1)
-    a.add_argument("--min-decode", type=int, default=1)
+    a.add_argument("--min-prefill", type=_count, default=1)
+    a.add_argument("--min-decode", type=_positive_int, default=1)
     a.add_argument(
-        "--tpot-target-s", type=float, default=0.1, help="the decode side of the balance"
+        "--tpot-target-s", type=_positive, default=0.1, help="the decode side of the balance"
     )
     w = sim.add_argument_group("workload")
     w.add_argument("--records", help="replay a bench records.jsonl(.xz)")
     w.add_argument("--run", help="with --records: which run")
     w.add_argument("--workload", choices=["fixed", "random", "interference"], default="fixed")
-    w.add_argument("--prompt-len", type=int, default=128)
-    w.add_argument("--output-len", type=int, default=64)
-    w.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    w.add_argument("--output-range", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    w.add_argument("--long-prompt-len", type=int, default=1536)
-    w.add_argument("--long-output-len", type=int, default=16)
-    w.add_argument("--long-every-s", type=float, default=10.0)
-    w.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
-    w.add_argument("--num-requests", type=int, default=200)
+    w.add_argument("--prompt-len", type=_positive_int, default=128)
+    w.add_argument("--output-len", type=_positive_int, default=64)
+    w.add_argument(
+        "--prompt-range", type=_positive_int, nargs=2, default=(32, 512), metavar=("MIN", "MAX")
+    )
+    w.add_argument(
+        "--output-range", type=_positive_int, nargs=2, default=(16, 128), metavar=("MIN", "MAX")
+    )
+    w.add_argument("--long-prompt-len", type=_positive_int, default=1536)
+    w.add_argument("--long-output-len", type=_positive_int, default=16)
+    w.add_argument("--long-every-s", type=_positive, default=10.0)
+    w.add_argument("--rate", type=_positive, default=1.0, help="requests/s (Poisson)")
+    w.add_argument("--num-requests", type=_positive_int, default=200)
     w.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--ttft-slo-s", type=float, default=2.0)
-    sim.add_argument("--tpot-slo-s", type=float, default=0.1)
+    sim.add_argument("--ttft-slo-s", type=_positive, default=2.0)
+    sim.add_argument("--tpot-slo-s", type=_positive, default=0.1)
     sim.add_argument("--out", default="sim-results", help="folder for the report")
     sim.set_defaults(func=cmd_simulate)
 
@@ -209,6 +248,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             chosen = runs[args.run] if args.run else [r for rs in runs.values() for r in rs]
             requests = requests_from_records(chosen)
         else:
+            for name in ("prompt_range", "output_range"):
+                low, high = getattr(args, name)
+                if low > high:
+                    raise ValueError(f"--{name.replace('_', '-')}: {low} is above {high}")
             workload = workload_from_args(args)
             requests = synthetic_requests(workload, args.rate, args.num_requests, args.seed)
     except (SpecError, FitError, ValueError, OSError) as error:

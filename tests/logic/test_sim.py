@@ -209,3 +209,23 @@ def test_autoscaled_pools_follow_a_shift_to_long_prompts():
         return ttfts[int(0.9 * len(ttfts))]
 
     assert late_ttft_p90(scaled) < late_ttft_p90(fixed) / 2
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tp", "0"], "--tp: must be at least 1"),
+        (["--rate", "-1"], "--rate: must be positive"),
+        (["--link-gbs", "0"], "--link-gbs: must be positive"),
+        (["--prefill", "0", "--decode", "0"], "needs decode nodes"),
+        (["--workload", "random", "--prompt-range", "500", "100"], "500 is above 100"),
+        (["--records", "/nonexistent/records.jsonl"], "No such file"),
+    ],
+)
+def test_simulate_refuses_bad_settings(args, says, tmp_path, capsys):
+    try:
+        code = main(["simulate", "--gpu", "h100-sxm", "--out", str(tmp_path), *args])
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    assert code == 2
+    assert says in capsys.readouterr().err
