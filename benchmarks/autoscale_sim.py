@@ -93,9 +93,10 @@ def main() -> int:
         "",
         f"{results['date']}; `python benchmarks/autoscale_sim.py`. 8 H100s, LLaMA-3 8B (assumed "
         "step model): 0-60 s prompts 256 → 400 tokens at 150 req/s, 60-120 s prompts 2000 → 8 "
-        f"tokens at 50 req/s. SLO TTFT ≤ {SLO[0]:g} s, TPOT ≤ {SLO[1] * 1e3:.0f} ms. Autoscaler: check "
-        f"every {policy.interval_s:g} s, cool-down {policy.cooldown_s:g} s, a reversal waits "
-        f"{policy.reversal_s:g} s, move at prefill ÷ decode pressure beyond {policy.high:g}×.",
+        f"tokens at 50 req/s. SLO TTFT ≤ {SLO[0]:g} s, TPOT ≤ {SLO[1] * 1e3:.0f} ms. "
+        f"Autoscaler: check every {policy.interval_s:g} s, cool-down {policy.cooldown_s:g} s, "
+        f"a reversal waits {policy.reversal_s:g} s, move at prefill ÷ decode pressure beyond "
+        f"{policy.high:g}×.",
         "",
         "| run | chat: SLO met | TTFT p90 | TPOT p90 | long prompts: SLO met | TTFT p90 | "
         "TPOT p90 |",

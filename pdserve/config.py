@@ -125,6 +125,29 @@ class PoolConfig(_Strict):
     healthy. A node past its budget stays out of its pool for good."""
 
 
+class AutoscaleConfig(_Strict):
+    """Disaggregated mode: move nodes between the prefill and decode pools as the balance in
+    calibrated cost says (router/autoscale.py). Every node then runs a `kv_both` engine that
+    serves either role, so a move is a routing change, not a reload; nodes keep the Ray
+    resources (and hosts) of the pool they started in."""
+
+    enabled: bool = False
+    interval_s: float = Field(5.0, gt=0)
+    """How often the balance is checked."""
+    cooldown_s: float = Field(30.0, ge=0)
+    """After a move, no other for this long (the signal needs time to show the move)."""
+    reversal_s: float = Field(120.0, ge=0)
+    """A move that would undo the last one waits this long after it."""
+    high: float = Field(1.5, gt=1)
+    """Move when one pool's pressure is this many times the other's."""
+    min_pressure: float = Field(0.5, ge=0)
+    """...and the heavier pool uses at least this share of its budget."""
+    min_prefill: int = Field(1, ge=0)
+    min_decode: int = Field(1, ge=1)
+    max_prefill: int | None = Field(None, ge=1)
+    max_decode: int | None = Field(None, ge=1)
+
+
 class PoolsConfig(_Strict):
     """Defaults fit one 2-core machine: 1P1D with a core each, or one colocated engine on both."""
 
@@ -132,6 +155,7 @@ class PoolsConfig(_Strict):
     decode: PoolConfig = PoolConfig(resources={"decode_pool": 1}, cpu_bind=["1"])
     colocated: PoolConfig = PoolConfig(num_cpus=2, cpu_bind=["0-1"])
     """Used when mode is "colocated": engines that both prefill and decode."""
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
 
 class PlacementConfig(_Strict):
@@ -263,6 +287,16 @@ class PDServeConfig(_Strict):
             raise ValueError("mode 'colocated' needs pools.colocated.replicas >= 1")
         if self.mode == "disaggregated" and self.pools.decode.replicas < 1:
             raise ValueError("mode 'disaggregated' needs pools.decode.replicas >= 1")
+        scale = self.pools.autoscale
+        if scale.enabled:
+            if self.mode != "disaggregated":
+                raise ValueError("pools.autoscale needs mode 'disaggregated'")
+            total = self.pools.prefill.replicas + self.pools.decode.replicas
+            if scale.min_prefill + scale.min_decode > total:
+                raise ValueError(
+                    f"pools.autoscale: min_prefill + min_decode ({scale.min_prefill} + "
+                    f"{scale.min_decode}) is more than the {total} nodes of both pools"
+                )
         return self
 
 

@@ -99,6 +99,16 @@ def _start_pools(config: PDServeConfig, model_dir: Path, served: str) -> dict[st
     from prefill_node.node import create_prefill_node
 
     secret = config.kv_transfer.secret or secrets.token_hex(32)
+    if config.pools.autoscale.enabled:  # every node can take either role
+        from pdserve.flex import create_flex_node
+
+        return {
+            name: [
+                create_flex_node(config, str(model_dir), served, name, replica, secret)
+                for replica in range(getattr(config.pools, name).replicas)
+            ]
+            for name in ("prefill", "decode")
+        }
     return {
         "prefill": [
             create_prefill_node(config, str(model_dir), served, replica, secret)
@@ -161,7 +171,7 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-async def _serve(service, config: PDServeConfig, on_ready) -> None:
+async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
     """Serve HTTP and gRPC until SIGINT/SIGTERM, with the pools' health watchers alongside;
     then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
@@ -177,6 +187,8 @@ async def _serve(service, config: PDServeConfig, on_ready) -> None:
     pools = list(service.dispatcher.pools.values())
     for pool in pools:
         pool.start_watching()
+    if scaler is not None:
+        scaler.start()
     host, key, limit = config.router.host, config.router.api_key, config.router.max_request_bytes
     grpc_server, grpc_port, grpc_health = await create_server(
         service, f"{host}:{config.router.grpc_port}", key, limit
@@ -199,8 +211,32 @@ async def _serve(service, config: PDServeConfig, on_ready) -> None:
     await asyncio.gather(health_task, return_exceptions=True)
     await grpc_health.enter_graceful_shutdown()
     await grpc_server.stop(grace=5)
+    if scaler is not None:
+        await scaler.stop()
     for pool in pools:
         await pool.stop_watching()
+
+
+def _scaler(config: PDServeConfig, dispatcher, metrics):
+    """The autoscaler over the prefill and decode pools, when `pools.autoscale` is enabled."""
+    if not config.pools.autoscale.enabled:
+        return None
+    from router.autoscale import AutoscalePolicy, PoolScaler
+
+    policy = AutoscalePolicy(**config.pools.autoscale.model_dump(exclude={"enabled"}))
+    scaler = PoolScaler(
+        dispatcher.pools["prefill"], dispatcher.pools["decode"], policy, config.router.tpot_target_s
+    )
+    metrics.watch_autoscale(scaler)
+    logger.info(
+        "autoscale on: a check every %.0f s, %d-%s prefill and %d-%s decode nodes",
+        policy.interval_s,
+        policy.min_prefill,
+        policy.max_prefill or "all",
+        policy.min_decode,
+        policy.max_decode or "all",
+    )
+    return scaler
 
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
@@ -241,6 +277,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
         )
         metrics.watch(dispatcher)
+        scaler = _scaler(config, dispatcher, metrics)
         admission = Admission(config.router.max_outstanding_requests)
         service = RouterService(
             frontend,
@@ -269,7 +306,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 urls = {"http": f"http://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
                 Path(ready_file).write_text(json.dumps(urls))
 
-        asyncio.run(_serve(service, config, on_ready))
+        asyncio.run(_serve(service, config, on_ready, scaler))
         logger.info("HTTP and gRPC servers stopped; shutting down")
         return 0
     finally:

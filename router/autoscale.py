@@ -18,15 +18,25 @@ pool's work uses. Their ratio says which pool is the bottleneck. The rule, check
 4. otherwise hold: `balanced`, `idle` (the heavier pool has slack anyway) or `at_bounds`.
 One node per decision: the signal after a move says whether another is needed.
 
-A move needs engines that play either role (vLLM's kv_both): such an engine keeps serving what it
-has and takes new work in its new role, with no reload. `pdserve simulate --autoscale` runs this
-rule on the simulated cluster; the router applies it once its engines can change roles.
+A move needs engines that play either role (vLLM's kv_both, pdserve/flex.py): such an engine
+keeps serving what it has and takes new work in its new role, with no reload. `PoolScaler` runs
+the rule in the router (`pools.autoscale`); `pdserve simulate --autoscale` on the simulated
+cluster. Every check is counted in `pdserve_autoscale_decisions_total{action, reason}`; a move is
+logged with the ratio and the pools' sizes after it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from router.metrics.balance import Window, cost_pressure, pool_load
+
+logger = logging.getLogger(__name__)
 
 Action = Literal["to_prefill", "to_decode", "hold"]
 REASONS = ("moved", "cooldown", "reversal", "balanced", "idle", "at_bounds", "no_signal")
@@ -109,3 +119,86 @@ class Autoscaler:
             return Decision("hold", "reversal", ratio)
         self.last_move, self.last_action = now, action
         return Decision(action, "moved", ratio)
+
+
+class PoolScaler:
+    """The rule applied to the router's prefill and decode pools: every `interval_s`, each pool's
+    pressure over the last few checks' stats, a decision, and for a move the least busy node of
+    the lighter pool handed to the other (both pools' `nodes` lists; a node's calls in flight
+    finish where they are)."""
+
+    def __init__(
+        self,
+        prefill: Any,
+        decode: Any,
+        policy: AutoscalePolicy,
+        tpot_target_s: float,
+        on_decision: Callable[[Decision], None] | None = None,
+    ) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.policy = policy
+        self.tpot_target_s = tpot_target_s
+        self.autoscaler = Autoscaler(policy)
+        self.on_decision = on_decision
+        self.window_s = max(3.0, 3 * policy.interval_s)
+        self._task: asyncio.Task | None = None
+
+    def pressure(self, pool: Any, role: str) -> float | None:
+        values = [
+            cost_pressure(role, Window.of(n.history, self.window_s), self.tpot_target_s, n.stats)
+            for n in pool.healthy_nodes()
+            if n.reported
+        ]
+        return pool_load(values)
+
+    def check(self, now: float | None = None) -> Decision:
+        now = time.monotonic() if now is None else now
+        decision = self.autoscaler.decide(
+            now,
+            self.pressure(self.prefill, "prefill"),
+            self.pressure(self.decode, "decode"),
+            len(self.prefill.healthy_nodes()),
+            len(self.decode.healthy_nodes()),
+        )
+        if decision.action != "hold":
+            source, target = (
+                (self.decode, self.prefill)
+                if decision.action == "to_prefill"
+                else (self.prefill, self.decode)
+            )
+            node = min(source.healthy_nodes(), key=lambda n: (n.outstanding, n.stats.running))
+            source.nodes.remove(node)
+            target.nodes.append(node)
+            logger.info(
+                "autoscale: %s moves from the %s pool to the %s pool (prefill / decode pressure "
+                "%.2f); now %d prefill, %d decode",
+                node.name,
+                source.name,
+                target.name,
+                decision.ratio,
+                len(self.prefill.nodes),
+                len(self.decode.nodes),
+            )
+        else:
+            logger.debug("autoscale: hold (%s, ratio %s)", decision.reason, decision.ratio)
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return decision
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.policy.interval_s)
+            try:
+                self.check()
+            except Exception:  # never let one bad check end the loop (or the router)
+                logger.exception("autoscale check failed")
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

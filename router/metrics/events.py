@@ -104,6 +104,13 @@ class RouterMetrics:
             ["pool"],
             registry=r,
         )
+        self.autoscale = Counter(
+            "pdserve_autoscale_decisions",
+            "Autoscale checks by outcome: to_prefill / to_decode (a node moved) or hold, with "
+            "the reason (router/autoscale.py).",
+            ["action", "reason"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "pdserve_router_requests_in_flight", "Requests admitted and not finished.", registry=r
         )
@@ -113,6 +120,18 @@ class RouterMetrics:
             self.retries.labels(pool=pool)
             self.resumes.labels(pool=pool)
         r.register(PoolCollector(pools, window_s, tpot_target_s))
+
+    def watch_autoscale(self, scaler: Any) -> None:
+        """Count every autoscale check; the outcomes exist from zero."""
+        from router.autoscale import REASONS
+
+        for reason in REASONS:
+            if reason == "moved":
+                self.autoscale.labels(action="to_prefill", reason=reason)
+                self.autoscale.labels(action="to_decode", reason=reason)
+            else:
+                self.autoscale.labels(action="hold", reason=reason)
+        scaler.on_decision = lambda d: self.autoscale.labels(action=d.action, reason=d.reason).inc()
 
     def watch(self, dispatcher: Any) -> None:
         """Count the dispatcher's routing decisions and prefill fallbacks."""

@@ -42,6 +42,18 @@ def test_every_example_config_under_deploy_is_valid():
             "colocated.replicas >= 1",
         ),
         ({"mode": "disaggregated", "pools": {"decode": {"replicas": 0}}}, "(top level)", "decode"),
+        (
+            {"pools": {"autoscale": {"enabled": True, "min_prefill": 1, "min_decode": 2}}},
+            "(top level)",
+            "more than the 2 nodes",
+        ),
+        (
+            {"mode": "colocated", "pools": {"autoscale": {"enabled": True}}},
+            "(top level)",
+            "needs mode 'disaggregated'",
+        ),
+        ({"pools": {"autoscale": {"high": 1.0}}}, "pools.autoscale.high", "greater than 1"),
+        ({"pools": {"autoscale": {"min_decode": 0}}}, "pools.autoscale.min_decode", "1"),
     ],
 )
 def test_bad_values_name_the_field_and_reason(data, field, reason):

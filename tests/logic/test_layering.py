@@ -26,7 +26,15 @@ ALLOWED = {
     "router": {"pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "pdserve.bench": {"pdserve.model_prep", "pdserve.config", "pdserve.roofline"},
     "pdserve.sim": {"pdserve.bench", "pdserve.engine", "pdserve.roofline", "router"},
+    "pdserve.flex": {
+        "pdserve.config",
+        "pdserve.engine",
+        "pdserve.kv",
+        "prefill_node",
+        "decode_node",
+    },
     "pdserve.serve": {
+        "pdserve.flex",
         "pdserve.config",
         "pdserve.engine",
         "pdserve.model_prep",

@@ -229,3 +229,48 @@ def test_simulate_refuses_bad_settings(args, says, tmp_path, capsys):
         code = exit_.code
     assert code == 2
     assert says in capsys.readouterr().err
+
+
+def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
+    from pdserve.engine.types import NodeStats
+    from router.autoscale import AutoscalePolicy, PoolScaler
+    from router.metrics import RouterMetrics
+    from router.nodes import Node
+    from router.policies import make_policy
+    from router.pools import Pool
+
+    def node(name, busy, predicted, steps, **stats):
+        n = Node(name, client=None)
+        n.reported = True
+        n.stats = NodeStats(max_num_seqs=64, **stats)
+        n.history.extend(
+            [
+                (0.0, {"busy_seconds_total": 0, "predicted_busy_seconds_total": 0,
+                       "busy_steps_total": 0}),
+                (10.0, {"busy_seconds_total": busy, "predicted_busy_seconds_total": predicted,
+                        "busy_steps_total": steps}),
+            ]
+        )  # fmt: skip
+        return n
+
+    prefill = Pool(
+        "prefill", [node("p0", 9.5, 9.0, 40, waiting=8)], make_policy("round_robin", "prefill")
+    )
+    decodes = [node("d0", 3, 2.0, 200, running=5), node("d1", 3, 2.0, 200, running=1)]
+    decode = Pool("decode", decodes, make_policy("round_robin", "decode"))
+    metrics = RouterMetrics({"prefill": prefill, "decode": decode}, "disaggregated")
+    scaler = PoolScaler(prefill, decode, AutoscalePolicy(cooldown_s=60), tpot_target_s=0.1)
+    metrics.watch_autoscale(scaler)
+    # prefill: 0.9 of its time + 8/64 queued; decode: 10 ms steps of a 100 ms budget, or slots
+    assert scaler.pressure(prefill, "prefill") == pytest.approx(1.025)
+    assert scaler.pressure(decode, "decode") == pytest.approx(0.1)  # steps, not slots, fuller
+    moved = scaler.check(now=100.0)
+    assert moved.action == "to_prefill"
+    assert [n.name for n in prefill.nodes] == ["p0", "d1"]  # the less busy decode node
+    assert [n.name for n in decode.nodes] == ["d0"]
+    assert scaler.check(now=101.0).reason == "cooldown"
+    assert scaler.check(now=200.0).reason == "at_bounds"  # one decode node left
+    counted = metrics.autoscale
+    assert counted.labels(action="to_prefill", reason="moved")._value.get() == 1
+    assert counted.labels(action="hold", reason="cooldown")._value.get() == 1
+    assert counted.labels(action="to_decode", reason="moved")._value.get() == 0

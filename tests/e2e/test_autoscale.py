@@ -1,0 +1,114 @@
+"""Pools that follow the balance, on a multi-node Ray cluster simulated on this machine: 1P2D of
+`kv_both` nodes with `pools.autoscale` on. Long prompts load the prefill pool while the decode
+pool idles, so the router moves a decode node into the prefill pool (no reload: the same engine
+takes prefill legs from then on, its KV pulled by the remaining decode node), counts the decision
+and logs it; every request before, during and after the move completes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import finish_server, start_server
+
+MOVE_DEADLINE_S = 180
+PROMPT_TOKENS = 1200
+
+
+@pytest.fixture(scope="module")
+def autoscaled(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
+    cluster.add_node(num_cpus=1, resources={"prefill_pool": 1})
+    cluster.add_node(num_cpus=1, resources={"decode_pool": 2})
+    cluster.wait_for_nodes()
+    work = tmp_path_factory.mktemp("serve-autoscale")
+    config = work / "pdserve.yaml"
+    config.write_text(
+        "mode: disaggregated\n"
+        "engine: {kv_cache_space_gib: 1}\n"
+        "router: {placement: {mode: remote}}\n"
+        "pools:\n"
+        "  prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_pool: 1}}\n"
+        "  decode: {replicas: 2, num_cpus: 0.5, resources: {decode_pool: 1}}\n"
+        "  autoscale: {enabled: true, interval_s: 1, cooldown_s: 2, reversal_s: 600,\n"
+        "              min_pressure: 0.3}\n"
+    )
+    server = start_server(work, "--config", str(config), "--address", cluster.address)
+    yield server
+    finish_server(server)
+    cluster.shutdown()
+
+
+def _pools(server) -> dict:
+    state = httpx.get(f"{server.url}/health", timeout=10).json()["pools"]
+    return {name: [n["name"] for n in pool["nodes"]] for name, pool in state.items()}
+
+
+def _metric(server, pattern: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.search(pattern + r" ([0-9.e+-]+)", text)
+    return float(found.group(1)) if found else 0.0
+
+
+def _ask(server, rng: random.Random, max_tokens: int = 2) -> dict:
+    prompt = [rng.randrange(1000, 20000) for _ in range(PROMPT_TOKENS)]
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_loaded_prefill_pool_takes_a_node_from_the_idle_decode_pool(autoscaled):
+    server = autoscaled
+    before = _pools(server)
+    assert len(before["prefill"]) == 1 and len(before["decode"]) == 2
+    moved = r'pdserve_autoscale_decisions_total\{action="to_prefill",reason="moved"\}'
+    assert _metric(server, moved) == 0
+    stop, answers, failures = threading.Event(), [], []
+
+    def load(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            try:
+                answers.append(_ask(server, rng))
+            except Exception as error:  # noqa: BLE001 - collected and asserted below
+                failures.append(repr(error))
+
+    workers = [threading.Thread(target=load, args=(seed,)) for seed in range(4)]
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = time.monotonic() + MOVE_DEADLINE_S
+        while time.monotonic() < deadline and len(_pools(server)["prefill"]) < 2:
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=300)
+    after = _pools(server)
+    assert len(after["prefill"]) == 2 and len(after["decode"]) == 1, after
+    [newcomer] = [name for name in after["prefill"] if name not in before["prefill"]]
+    assert newcomer.startswith("pdserve-decode-")
+    assert _metric(server, moved) >= 1
+    assert re.search(rf"autoscale: {newcomer} moves from the decode pool", server.log.read_text())
+    assert not failures, failures[:3]
+    assert answers and all(a["usage"]["completion_tokens"] == 2 for a in answers)
+
+    # the moved node now takes prefill legs; their KV crosses to the remaining decode node
+    routed = rf'pdserve_routing_decisions_total\{{node="{newcomer}",pool="prefill"\}}'
+    start = _metric(server, routed)
+    rng = random.Random(99)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        later = list(pool.map(lambda _: _ask(server, rng, max_tokens=6), range(8)))
+    assert all(a["usage"]["completion_tokens"] == 6 for a in later), later
+    assert _metric(server, routed) > start
