@@ -146,6 +146,23 @@ class AutoscaleConfig(_Strict):
     min_decode: int = Field(1, ge=1)
     max_prefill: int | None = Field(None, ge=1)
     max_decode: int | None = Field(None, ge=1)
+    add_above: float | None = Field(None, gt=0)
+    """Replicas: when both pools' pressures reach this, start one more node (in the heavier
+    pool's resources) if the Ray cluster has them free. None: the number of nodes is fixed."""
+    remove_below: float | None = Field(None, ge=0)
+    """Replicas: when both pools' pressures have stayed below this for `remove_after_s`, stop a
+    node of the lighter pool above its minimum, once it has drained. None: never."""
+    remove_after_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _thresholds_in_order(self) -> AutoscaleConfig:
+        if (
+            self.add_above is not None
+            and self.remove_below is not None
+            and self.remove_below >= self.add_above
+        ):
+            raise ValueError("remove_below must be below add_above")
+        return self
 
 
 class PoolsConfig(_Strict):

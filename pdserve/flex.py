@@ -23,14 +23,19 @@ class FlexNode(PrefillNode, DecodeNode):
 
 
 def create_flex_node(
-    config: PDServeConfig, model_dir: str, served: str, pool: str, replica: int, secret: str
+    config: PDServeConfig,
+    model_dir: str,
+    served: str,
+    pool: str,
+    replica: int,
+    secret: str,
+    index: int,
 ):
     """Place a node that can serve either role with pool `pool`'s resources (its first role);
-    its KV server listens on `kv_transfer.port` + an index unique across both pools (or a free
-    port when that is 0)."""
+    its KV server listens on `kv_transfer.port` + `index` (unique among the run's nodes), or a
+    free port when that is 0."""
     kv = config.kv_transfer
     pools = config.pools
-    index = replica if pool == "prefill" else pools.prefill.replicas + replica
     port = kv.port + index if kv.port else 0
     return create_engine_actor(
         FlexNode,

@@ -75,7 +75,9 @@ def _init_ray(config: PDServeConfig) -> bool:
     return True
 
 
-def _start_pools(config: PDServeConfig, model_dir: Path, served: str) -> dict[str, list]:
+def _start_pools(
+    config: PDServeConfig, model_dir: Path, served: str, secret: str
+) -> dict[str, list]:
     """Place every node of the configured mode's pools: {pool name: [actor, ...]}."""
     if config.mode == "colocated":
         from pdserve.engine.actor import EngineActor, create_engine_actor
@@ -98,13 +100,15 @@ def _start_pools(config: PDServeConfig, model_dir: Path, served: str) -> dict[st
     from decode_node.node import create_decode_node
     from prefill_node.node import create_prefill_node
 
-    secret = config.kv_transfer.secret or secrets.token_hex(32)
     if config.pools.autoscale.enabled:  # every node can take either role
         from pdserve.flex import create_flex_node
 
+        first = {"prefill": 0, "decode": config.pools.prefill.replicas}
         return {
             name: [
-                create_flex_node(config, str(model_dir), served, name, replica, secret)
+                create_flex_node(
+                    config, str(model_dir), served, name, replica, secret, first[name] + replica
+                )
                 for replica in range(getattr(config.pools, name).replicas)
             ]
             for name in ("prefill", "decode")
@@ -217,7 +221,63 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
         await pool.stop_watching()
 
 
-def _scaler(config: PDServeConfig, dispatcher, metrics):
+class RayNodeFactory:
+    """Starts and stops `kv_both` nodes for the autoscaler (router/autoscale.py's NodeFactory),
+    within the Ray cluster's free resources; every actor it starts is in `actors` (stopped with
+    the rest at exit)."""
+
+    def __init__(
+        self, config: PDServeConfig, model_dir: Path, served: str, secret: str, actors: list
+    ) -> None:
+        self.config, self.model_dir, self.served, self.secret = config, model_dir, served, secret
+        self.actors = actors
+        pools = config.pools
+        self.next_replica = {"prefill": pools.prefill.replicas, "decode": pools.decode.replicas}
+        self.next_index = pools.prefill.replicas + pools.decode.replicas
+
+    def _needs(self, role: str) -> dict[str, float]:
+        pool = getattr(self.config.pools, role)
+        needs = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        return {name: amount for name, amount in needs.items() if amount}
+
+    def can_add(self, role: str) -> bool:
+        free = ray.available_resources()
+        return all(free.get(name, 0.0) >= amount for name, amount in self._needs(role).items())
+
+    async def add(self, role: str):
+        from pdserve.flex import create_flex_node
+        from router.nodes import Node
+        from router.ray_nodes import RayNodeClient
+
+        replica, index = self.next_replica[role], self.next_index
+        self.next_replica[role] += 1
+        self.next_index += 1
+        actor = create_flex_node(
+            self.config, str(self.model_dir), self.served, role, replica, self.secret, index
+        )
+        self.actors.append(actor)
+        try:
+            info = await asyncio.wait_for(actor.start.remote(), ENGINE_START_TIMEOUT_S)
+        except BaseException:
+            self._stop(actor)
+            raise
+        logger.info("%s engine %s up in %.1f s (pid %s)", role, info.name, info.start_s, info.pid)
+        return Node(info.name, RayNodeClient(actor), info)
+
+    async def remove(self, node) -> None:
+        actor = node.client.handle
+        try:
+            await asyncio.wait_for(actor.shutdown.remote(), 60)
+        finally:
+            self._stop(actor)
+
+    def _stop(self, actor) -> None:
+        ray.kill(actor)
+        if actor in self.actors:
+            self.actors.remove(actor)
+
+
+def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory):
     """The autoscaler over the prefill and decode pools, when `pools.autoscale` is enabled."""
     if not config.pools.autoscale.enabled:
         return None
@@ -225,16 +285,23 @@ def _scaler(config: PDServeConfig, dispatcher, metrics):
 
     policy = AutoscalePolicy(**config.pools.autoscale.model_dump(exclude={"enabled"}))
     scaler = PoolScaler(
-        dispatcher.pools["prefill"], dispatcher.pools["decode"], policy, config.router.tpot_target_s
+        dispatcher.pools["prefill"],
+        dispatcher.pools["decode"],
+        policy,
+        config.router.tpot_target_s,
+        factory=factory,
     )
     metrics.watch_autoscale(scaler)
     logger.info(
-        "autoscale on: a check every %.0f s, %d-%s prefill and %d-%s decode nodes",
+        "autoscale on: a check every %.0f s, %d-%s prefill and %d-%s decode nodes; replicas %s",
         policy.interval_s,
         policy.min_prefill,
-        policy.max_prefill or "all",
+        policy.max_prefill or "any",
         policy.min_decode,
-        policy.max_decode or "all",
+        policy.max_decode or "any",
+        "fixed"
+        if policy.add_above is None and policy.remove_below is None
+        else f"added at pressure >= {policy.add_above}, removed below {policy.remove_below}",
     )
     return scaler
 
@@ -254,7 +321,8 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     owns_ray = _init_ray(config)
     actors: list = []
     try:
-        pools = _start_pools(config, model_dir, served)
+        secret = config.kv_transfer.secret or secrets.token_hex(32)
+        pools = _start_pools(config, model_dir, served, secret)
         actors = [actor for group in pools.values() for actor in group]
         names = [(name, i) for name, group in pools.items() for i in range(len(group))]
         started_infos = ray.get(
@@ -277,7 +345,8 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
         )
         metrics.watch(dispatcher)
-        scaler = _scaler(config, dispatcher, metrics)
+        factory = RayNodeFactory(config, model_dir, served, secret, actors)
+        scaler = _scaler(config, dispatcher, metrics, factory)
         admission = Admission(config.router.max_outstanding_requests)
         service = RouterService(
             frontend,

@@ -32,14 +32,41 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from router.metrics.balance import Window, cost_pressure, pool_load
 
 logger = logging.getLogger(__name__)
 
-Action = Literal["to_prefill", "to_decode", "hold"]
-REASONS = ("moved", "cooldown", "reversal", "balanced", "idle", "at_bounds", "no_signal")
+Action = Literal[
+    "to_prefill",
+    "to_decode",
+    "add_prefill",
+    "add_decode",
+    "remove_prefill",
+    "remove_decode",
+    "hold",
+]
+REASONS = (
+    "moved",
+    "added",
+    "removed",
+    "cooldown",
+    "reversal",
+    "balanced",
+    "idle",
+    "at_bounds",
+    "no_resources",
+    "changing",
+    "no_signal",
+)
+OUTCOMES = {
+    "moved": ("to_prefill", "to_decode"),
+    "added": ("add_prefill", "add_decode"),
+    "removed": ("remove_prefill", "remove_decode"),
+}
+"""Reason → the actions it goes with (every other reason is a hold)."""
+MOVES = {"to_prefill": "to_decode", "to_decode": "to_prefill"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,15 @@ class AutoscalePolicy:
     min_decode: int = 1
     max_prefill: int | None = None
     max_decode: int | None = None
+    add_above: float | None = None
+    """Replicas: when both pools' pressures are at least this (the cluster, not the split, is
+    short), start one more node in the heavier pool if the cluster has the resources. None: off."""
+    remove_below: float | None = None
+    """Replicas: when both pools' pressures have stayed below this for `remove_after_s`, stop
+    one node of the lighter pool (above its minimum) once it has drained. None: off."""
+    remove_after_s: float = 60.0
+    """How long the cluster must stay idle before a node goes (a dip right after a change, or
+    between bursts, is not idleness)."""
 
     def __post_init__(self) -> None:
         if self.high <= 1:
@@ -64,6 +100,12 @@ class AutoscalePolicy:
             raise ValueError("autoscale needs at least one decode node (min_decode >= 1)")
         if self.interval_s <= 0 or self.cooldown_s < 0:
             raise ValueError("autoscale interval must be positive and cooldown not negative")
+        if (
+            self.add_above is not None
+            and self.remove_below is not None
+            and self.remove_below >= self.add_above
+        ):
+            raise ValueError("autoscale remove_below must be below add_above")
 
 
 @dataclass(frozen=True)
@@ -76,8 +118,9 @@ class Decision:
 class Autoscaler:
     def __init__(self, policy: AutoscalePolicy) -> None:
         self.policy = policy
-        self.last_move: float | None = None
-        self.last_action: Action | None = None
+        self.last_change: float | None = None
+        self.last_move: Action | None = None
+        self.idle_since: float | None = None
 
     def decide(
         self,
@@ -86,14 +129,48 @@ class Autoscaler:
         decode_pressure: float | None,
         prefill_nodes: int,
         decode_nodes: int,
+        changing: bool = False,
+        can_add: Callable[[str], bool] = lambda role: True,
     ) -> Decision:
-        """One check: pool pressures (None: no signal yet) and pool sizes → what to do."""
+        """One check: pool pressures (None: no signal yet), pool sizes, whether a node is still
+        being added or drained, and whether the cluster has room for one more node of a role."""
         p = self.policy
         if prefill_pressure is None or decode_pressure is None:
             return Decision("hold", "no_signal", None)
         ratio = max(prefill_pressure, 1e-3) / max(decode_pressure, 1e-3)
-        if self.last_move is not None and now - self.last_move < p.cooldown_s:
+        idle = (
+            p.remove_below is not None and max(prefill_pressure, decode_pressure) < p.remove_below
+        )
+        if not idle:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        if changing:
+            return Decision("hold", "changing", ratio)
+        if self.last_change is not None and now - self.last_change < p.cooldown_s:
             return Decision("hold", "cooldown", ratio)
+        sizes = {"prefill": prefill_nodes, "decode": decode_nodes}
+        bounds = {
+            "prefill": (p.min_prefill, p.max_prefill),
+            "decode": (p.min_decode, p.max_decode),
+        }
+        heavier = "prefill" if prefill_pressure >= decode_pressure else "decode"
+        lighter = "decode" if heavier == "prefill" else "prefill"
+        if p.add_above is not None and min(prefill_pressure, decode_pressure) >= p.add_above:
+            top = bounds[heavier][1]
+            if top is None or sizes[heavier] < top:
+                if not can_add(heavier):
+                    return Decision("hold", "no_resources", ratio)
+                self.last_change = now
+                return Decision(f"add_{heavier}", "added", ratio)
+        if idle:
+            if now - self.idle_since < p.remove_after_s:
+                return Decision("hold", "idle", ratio)
+            for role in (lighter, heavier):  # the lighter pool first, either above its minimum
+                if sizes[role] > bounds[role][0]:
+                    self.last_change, self.idle_since = now, None
+                    return Decision(f"remove_{role}", "removed", ratio)
+            return Decision("hold", "idle", ratio)
         if ratio > p.high:
             action: Action = "to_prefill"
             short, bounded = (
@@ -114,18 +191,37 @@ class Autoscaler:
             return Decision("hold", "idle", ratio)
         if bounded:
             return Decision("hold", "at_bounds", ratio)
-        undoes = self.last_action is not None and action != self.last_action
-        if undoes and self.last_move is not None and now - self.last_move < p.reversal_s:
+        undoes = self.last_move is not None and MOVES[action] == self.last_move
+        if undoes and self.last_change is not None and now - self.last_change < p.reversal_s:
             return Decision("hold", "reversal", ratio)
-        self.last_move, self.last_action = now, action
+        self.last_change, self.last_move = now, action
         return Decision(action, "moved", ratio)
+
+
+class NodeFactory(Protocol):
+    """Starts and stops nodes that can take either role (pdserve.serve's, over Ray)."""
+
+    def can_add(self, role: str) -> bool:
+        """Whether the cluster has the resources for one more node of `role`'s pool."""
+
+    async def add(self, role: str) -> Any:
+        """Start a node with `role`'s pool resources; return its router `Node` once serving."""
+
+    async def remove(self, node: Any) -> None:
+        """Stop a node that has left its pool and drained."""
+
+
+DRAIN_TIMEOUT_S = 600.0
+"""How long a node leaving the cluster may take to finish what it runs before it is stopped."""
 
 
 class PoolScaler:
     """The rule applied to the router's prefill and decode pools: every `interval_s`, each pool's
-    pressure over the last few checks' stats, a decision, and for a move the least busy node of
-    the lighter pool handed to the other (both pools' `nodes` lists; a node's calls in flight
-    finish where they are)."""
+    pressure over the last few checks' stats, a decision, and its effect — a move hands the least
+    busy node of the lighter pool to the other (both pools' `nodes` lists; its calls in flight
+    finish where they are); an add starts a node through `factory` and puts it in the pool once
+    it serves; a remove takes the least busy node of the lighter pool out at once and stops it
+    once drained. One change at a time."""
 
     def __init__(
         self,
@@ -134,22 +230,30 @@ class PoolScaler:
         policy: AutoscalePolicy,
         tpot_target_s: float,
         on_decision: Callable[[Decision], None] | None = None,
+        factory: NodeFactory | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.policy = policy
         self.tpot_target_s = tpot_target_s
         self.autoscaler = Autoscaler(policy)
         self.on_decision = on_decision
+        self.factory = factory
         self.window_s = max(3.0, 3 * policy.interval_s)
         self._task: asyncio.Task | None = None
+        self._change: asyncio.Task | None = None
 
     def pressure(self, pool: Any, role: str) -> float | None:
-        values = [
-            cost_pressure(role, Window.of(n.history, self.window_s), self.tpot_target_s, n.stats)
-            for n in pool.healthy_nodes()
-            if n.reported
-        ]
+        """The pool's mean pressure over its nodes with a window of stats (a node that just
+        joined has none yet: it would read as idle)."""
+        values = []
+        for node in pool.healthy_nodes():
+            window = Window.of(node.history, self.window_s) if node.reported else None
+            if window is not None:
+                values.append(cost_pressure(role, window, self.tpot_target_s, node.stats))
         return pool_load(values)
+
+    def _pool(self, role: str) -> Any:
+        return self.prefill if role == "prefill" else self.decode
 
     def check(self, now: float | None = None) -> Decision:
         now = time.monotonic() if now is None else now
@@ -159,31 +263,75 @@ class PoolScaler:
             self.pressure(self.decode, "decode"),
             len(self.prefill.healthy_nodes()),
             len(self.decode.healthy_nodes()),
+            changing=self._change is not None and not self._change.done(),
+            can_add=lambda role: self.factory is not None and self.factory.can_add(role),
         )
-        if decision.action != "hold":
+        action = decision.action
+        if action in MOVES:
             source, target = (
                 (self.decode, self.prefill)
-                if decision.action == "to_prefill"
+                if action == "to_prefill"
                 else (self.prefill, self.decode)
             )
-            node = min(source.healthy_nodes(), key=lambda n: (n.outstanding, n.stats.running))
+            node = self._least_busy(source)
             source.nodes.remove(node)
             target.nodes.append(node)
-            logger.info(
-                "autoscale: %s moves from the %s pool to the %s pool (prefill / decode pressure "
-                "%.2f); now %d prefill, %d decode",
-                node.name,
-                source.name,
-                target.name,
-                decision.ratio,
-                len(self.prefill.nodes),
-                len(self.decode.nodes),
-            )
+            self._log(f"{node.name} moves from the {source.name} pool to the {target.name} pool",
+                      decision)  # fmt: skip
+        elif action.startswith("add_"):
+            role = action.removeprefix("add_")
+            self._log(f"starting a {role} node", decision)
+            self._change = asyncio.get_running_loop().create_task(self._add(role))
+        elif action.startswith("remove_"):
+            pool = self._pool(action.removeprefix("remove_"))
+            node = self._least_busy(pool)
+            pool.nodes.remove(node)
+            self._log(f"{node.name} leaves the {pool.name} pool (stopped once drained)", decision)
+            self._change = asyncio.get_running_loop().create_task(self._remove(node))
         else:
             logger.debug("autoscale: hold (%s, ratio %s)", decision.reason, decision.ratio)
         if self.on_decision is not None:
             self.on_decision(decision)
         return decision
+
+    @staticmethod
+    def _least_busy(pool: Any) -> Any:
+        return min(pool.healthy_nodes(), key=lambda n: (n.outstanding, n.stats.running))
+
+    def _log(self, what: str, decision: Decision) -> None:
+        logger.info(
+            "autoscale: %s (prefill / decode pressure %.2f); now %d prefill, %d decode",
+            what,
+            decision.ratio,
+            len(self.prefill.nodes),
+            len(self.decode.nodes),
+        )
+
+    async def _add(self, role: str) -> None:
+        try:
+            node = await self.factory.add(role)
+        except Exception as error:
+            logger.error("autoscale: starting a %s node failed: %r", role, error)
+            return
+        self._pool(role).nodes.append(node)
+        self.autoscaler.last_change = time.monotonic()  # the cool-down runs from the join
+        logger.info(
+            "autoscale: %s joined the %s pool; now %d prefill, %d decode",
+            node.name,
+            role,
+            len(self.prefill.nodes),
+            len(self.decode.nodes),
+        )
+
+    async def _remove(self, node: Any) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while node.outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        try:
+            await self.factory.remove(node)
+            logger.info("autoscale: %s drained and stopped", node.name)
+        except Exception as error:
+            logger.error("autoscale: stopping %s failed: %r", node.name, error)
 
     async def _run(self) -> None:
         while True:
@@ -198,7 +346,8 @@ class PoolScaler:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._change):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._change = None

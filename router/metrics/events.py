@@ -106,8 +106,8 @@ class RouterMetrics:
         )
         self.autoscale = Counter(
             "pdserve_autoscale_decisions",
-            "Autoscale checks by outcome: to_prefill / to_decode (a node moved) or hold, with "
-            "the reason (router/autoscale.py).",
+            "Autoscale checks by outcome: to_prefill / to_decode (a node moved), add_* / "
+            "remove_* (a node started / stopped), or hold, with the reason (router/autoscale.py).",
             ["action", "reason"],
             registry=r,
         )
@@ -123,14 +123,11 @@ class RouterMetrics:
 
     def watch_autoscale(self, scaler: Any) -> None:
         """Count every autoscale check; the outcomes exist from zero."""
-        from router.autoscale import REASONS
+        from router.autoscale import OUTCOMES, REASONS
 
         for reason in REASONS:
-            if reason == "moved":
-                self.autoscale.labels(action="to_prefill", reason=reason)
-                self.autoscale.labels(action="to_decode", reason=reason)
-            else:
-                self.autoscale.labels(action="hold", reason=reason)
+            for action in OUTCOMES.get(reason, ("hold",)):
+                self.autoscale.labels(action=action, reason=reason)
         scaler.on_decision = lambda d: self.autoscale.labels(action=d.action, reason=d.reason).inc()
 
     def watch(self, dispatcher: Any) -> None:

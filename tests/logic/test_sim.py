@@ -274,3 +274,84 @@ def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
     assert counted.labels(action="to_prefill", reason="moved")._value.get() == 1
     assert counted.labels(action="hold", reason="cooldown")._value.get() == 1
     assert counted.labels(action="to_decode", reason="moved")._value.get() == 0
+
+
+def test_autoscale_replicas_when_the_cluster_is_short_or_idle():
+    from router.autoscale import AutoscalePolicy, Autoscaler
+
+    policy = AutoscalePolicy(
+        cooldown_s=10, add_above=0.8, remove_below=0.1, remove_after_s=10, max_decode=3
+    )
+    scaler = Autoscaler(policy)
+    # both pools pressed: one more node for the heavier one, if the cluster has room
+    assert scaler.decide(0, 0.9, 1.2, 1, 2, can_add=lambda role: False).reason == "no_resources"
+    added = scaler.decide(0, 0.9, 1.2, 1, 2, can_add=lambda role: role == "decode")
+    assert (added.action, added.reason) == ("add_decode", "added")
+    assert scaler.decide(5, 0.9, 1.2, 1, 3).reason == "cooldown"
+    assert scaler.decide(20, 0.9, 1.2, 1, 3, changing=True).reason == "changing"
+    # decode at its maximum: the split is what can change (1.33x: balanced enough)
+    assert scaler.decide(20, 0.9, 1.2, 1, 3).reason == "balanced"
+    # both idle for remove_after_s: the lighter pool gives a node back, down to its minimum
+    assert scaler.decide(40, 0.01, 0.05, 2, 3).reason == "idle"  # idle from now
+    assert scaler.decide(45, 0.5, 0.5, 2, 3).reason == "balanced"  # a burst: not idle after all
+    assert scaler.decide(46, 0.01, 0.05, 2, 3).reason == "idle"  # idle again, from 46
+    removed = scaler.decide(56, 0.01, 0.05, 2, 3)
+    assert (removed.action, removed.reason) == ("remove_prefill", "removed")
+    # prefill at its minimum: the other pool gives a node back, down to its own
+    assert scaler.decide(66, 0.01, 0.05, 1, 3).reason == "idle"
+    assert scaler.decide(76, 0.01, 0.05, 1, 3).action == "remove_decode"
+    assert scaler.decide(90, 0.01, 0.05, 1, 1).reason == "idle"
+    assert scaler.decide(200, 0.01, 0.05, 1, 1).reason == "idle"
+    with pytest.raises(ValueError, match="remove_below"):
+        AutoscalePolicy(add_above=0.5, remove_below=0.5)
+
+
+async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
+    import asyncio
+
+    from pdserve.engine.types import NodeStats
+    from router.autoscale import AutoscalePolicy, PoolScaler
+    from router.nodes import Node
+    from router.policies import make_policy
+    from router.pools import Pool
+
+    def node(name):
+        n = Node(name, client=None)
+        n.reported = True
+        n.stats = NodeStats(max_num_seqs=4, running=4, waiting=4)  # pressure 2 either way
+        n.history.extend([(0.0, {}), (1.0, {})])  # stats reported, no steps run
+        return n
+
+    class Factory:
+        def __init__(self):
+            self.started, self.stopped = [], []
+
+        def can_add(self, role):
+            return True
+
+        async def add(self, role):
+            self.started.append(role)
+            return node(f"{role}-new")
+
+        async def remove(self, gone):
+            self.stopped.append(gone.name)
+
+    prefill = Pool("prefill", [node("p0")], make_policy("round_robin", "prefill"))
+    decode = Pool("decode", [node("d0")], make_policy("round_robin", "decode"))
+    factory = Factory()
+    policy = AutoscalePolicy(cooldown_s=0, add_above=1.0, remove_below=0.1, remove_after_s=0)
+    scaler = PoolScaler(prefill, decode, policy, 0.1, factory=factory)
+    # prefill: its queue (1.0); decode: full slots and its queue (2.0): the decode pool grows
+    assert scaler.check(now=1).action == "add_decode"
+    assert scaler.check(now=2).reason == "changing"  # one change at a time
+    await scaler._change
+    assert [n.name for n in decode.nodes] == ["d0", "decode-new"]
+    assert scaler.autoscaler.last_change > 1  # the cool-down runs from the join
+    for n in (*prefill.nodes, *decode.nodes):  # the load is gone
+        n.stats = NodeStats(max_num_seqs=4)
+    busy = decode.nodes[0]
+    busy.outstanding = 1  # still serving
+    assert scaler.check().action == "remove_decode"  # a tie: the decode pool gives back
+    assert [n.name for n in decode.nodes] == ["d0"]  # the least busy one left at once
+    await asyncio.wait_for(scaler._change, 5)
+    assert factory.stopped == ["decode-new"] and factory.started == ["decode"]

@@ -1,0 +1,95 @@
+"""Replicas that follow the load, on a multi-node Ray cluster simulated on this machine: 1P1D of
+`kv_both` nodes with `pools.autoscale` adding and removing nodes. Long prompts press both pools,
+so the router starts a second prefill node where the cluster has room (the prefill host), which
+then takes prefill legs; when the load stops, the idle cluster gives the node back: it leaves
+its pool at once and is stopped once drained. Requests complete throughout."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+
+import pytest
+
+from tests.e2e.conftest import finish_server, start_server
+from tests.e2e.test_autoscale import _ask, _metric, _pools
+
+ADD_DEADLINE_S = 240
+REMOVE_DEADLINE_S = 90
+
+
+@pytest.fixture(scope="module")
+def scaling(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
+    cluster.add_node(num_cpus=1, resources={"prefill_pool": 2})  # room for a second prefill node
+    cluster.add_node(num_cpus=1, resources={"decode_pool": 1})
+    cluster.wait_for_nodes()
+    work = tmp_path_factory.mktemp("serve-replicas")
+    config = work / "pdserve.yaml"
+    config.write_text(
+        "mode: disaggregated\n"
+        "engine: {kv_cache_space_gib: 1}\n"
+        "router: {placement: {mode: remote}}\n"
+        "pools:\n"
+        "  prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_pool: 1}}\n"
+        "  decode: {replicas: 1, num_cpus: 0.5, resources: {decode_pool: 1}}\n"
+        "  autoscale: {enabled: true, interval_s: 1, cooldown_s: 2, min_pressure: 0.3,\n"
+        "              add_above: 0.05, remove_below: 0.02, remove_after_s: 8, max_prefill: 2}\n"
+    )
+    server = start_server(work, "--config", str(config), "--address", cluster.address)
+    yield server
+    finish_server(server)
+    cluster.shutdown()
+
+
+def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling):
+    server = scaling
+    assert _pools(server) == {"prefill": ["pdserve-prefill-0"], "decode": ["pdserve-decode-0"]}
+    added = r'pdserve_autoscale_decisions_total\{action="add_prefill",reason="added"\}'
+    removed = r'pdserve_autoscale_decisions_total\{action="remove_prefill",reason="removed"\}'
+    stop, answers, failures = threading.Event(), [], []
+
+    def load(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            try:
+                answers.append(_ask(server, rng))
+            except Exception as error:  # noqa: BLE001 - collected and asserted below
+                failures.append(repr(error))
+
+    workers = [threading.Thread(target=load, args=(seed,)) for seed in range(4)]
+    for worker in workers:
+        worker.start()
+    routed = r'pdserve_routing_decisions_total\{node="pdserve-prefill-1",pool="prefill"\}'
+    try:
+        deadline = time.monotonic() + ADD_DEADLINE_S
+        while time.monotonic() < deadline and _metric(server, routed) < 2:
+            time.sleep(0.5)  # started, joined, and taking prefill legs
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=300)
+    assert _metric(server, added) >= 1
+    assert _metric(server, routed) >= 2, _pools(server)
+    log = server.log.read_text()
+    assert "autoscale: starting a prefill node" in log
+    assert "autoscale: pdserve-prefill-1 joined the prefill pool" in log
+    assert not failures, failures[:3]
+    assert answers and all(a["usage"]["completion_tokens"] == 2 for a in answers)
+
+    deadline = time.monotonic() + REMOVE_DEADLINE_S  # idle now: the extra node goes
+    while time.monotonic() < deadline and len(_pools(server)["prefill"]) > 1:
+        time.sleep(0.5)
+    assert len(_pools(server)["prefill"]) == 1, _pools(server)
+    assert _metric(server, removed) >= 1
+    while time.monotonic() < deadline and "drained and stopped" not in server.log.read_text():
+        time.sleep(0.5)
+    assert re.search(r"autoscale: pdserve-prefill-\d drained and stopped", server.log.read_text())
+    answer = _ask(server, random.Random(7), max_tokens=4)  # the cluster still serves
+    assert answer["usage"]["completion_tokens"] == 4
