@@ -21,32 +21,46 @@ MOVE_DEADLINE_S = 180
 PROMPT_TOKENS = 1200
 
 
-@pytest.fixture(scope="module")
-def autoscaled(tmp_path_factory):
+def serve_autoscaled(work, hosts: dict[str, int], replicas: dict[str, int], autoscale: str):
+    """A two-host Ray cluster (one advertising `prefill_pool`, one `decode_pool`, as many of each
+    as `hosts` says) and `pdserve serve` joined to it with `replicas` kv_both nodes per pool (half
+    a CPU each), remote placement and `pools.autoscale` {enabled, `autoscale`}; yields the
+    server."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
     )
-    cluster.add_node(num_cpus=1, resources={"prefill_pool": 1})
-    cluster.add_node(num_cpus=1, resources={"decode_pool": 2})
+    for pool, slots in hosts.items():
+        cluster.add_node(num_cpus=1, resources={f"{pool}_pool": slots})
     cluster.wait_for_nodes()
-    work = tmp_path_factory.mktemp("serve-autoscale")
     config = work / "pdserve.yaml"
+    pools = "".join(
+        f"  {pool}: {{replicas: {count}, num_cpus: 0.5, resources: {{{pool}_pool: 1}}}}\n"
+        for pool, count in replicas.items()
+    )
     config.write_text(
         "mode: disaggregated\n"
         "engine: {kv_cache_space_gib: 1}\n"
         "router: {placement: {mode: remote}}\n"
-        "pools:\n"
-        "  prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_pool: 1}}\n"
-        "  decode: {replicas: 2, num_cpus: 0.5, resources: {decode_pool: 1}}\n"
-        "  autoscale: {enabled: true, interval_s: 1, cooldown_s: 2, reversal_s: 600,\n"
-        "              min_pressure: 0.3}\n"
+        f"pools:\n{pools}  autoscale: {{enabled: true, interval_s: 1, {autoscale}}}\n"
     )
     server = start_server(work, "--config", str(config), "--address", cluster.address)
-    yield server
-    finish_server(server)
-    cluster.shutdown()
+    try:
+        yield server
+    finally:
+        finish_server(server)
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def autoscaled(tmp_path_factory):
+    yield from serve_autoscaled(
+        tmp_path_factory.mktemp("serve-autoscale"),
+        hosts={"prefill": 1, "decode": 2},
+        replicas={"prefill": 1, "decode": 2},
+        autoscale="cooldown_s: 2, reversal_s: 600, min_pressure: 0.3",
+    )
 
 
 def _pools(server) -> dict:

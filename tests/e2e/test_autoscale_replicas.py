@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import finish_server, start_server
-from tests.e2e.test_autoscale import _ask, _metric, _pools
+from tests.e2e.test_autoscale import _ask, _metric, _pools, serve_autoscaled
 
 ADD_DEADLINE_S = 240
 REMOVE_DEADLINE_S = 90
@@ -22,30 +21,13 @@ REMOVE_DEADLINE_S = 90
 
 @pytest.fixture(scope="module")
 def scaling(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    yield from serve_autoscaled(
+        tmp_path_factory.mktemp("serve-replicas"),
+        hosts={"prefill": 2, "decode": 1},  # room for a second prefill node
+        replicas={"prefill": 1, "decode": 1},
+        autoscale="cooldown_s: 2, min_pressure: 0.3, add_above: 0.05, remove_below: 0.02, "
+        "remove_after_s: 8, max_prefill: 2",
     )
-    cluster.add_node(num_cpus=1, resources={"prefill_pool": 2})  # room for a second prefill node
-    cluster.add_node(num_cpus=1, resources={"decode_pool": 1})
-    cluster.wait_for_nodes()
-    work = tmp_path_factory.mktemp("serve-replicas")
-    config = work / "pdserve.yaml"
-    config.write_text(
-        "mode: disaggregated\n"
-        "engine: {kv_cache_space_gib: 1}\n"
-        "router: {placement: {mode: remote}}\n"
-        "pools:\n"
-        "  prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_pool: 1}}\n"
-        "  decode: {replicas: 1, num_cpus: 0.5, resources: {decode_pool: 1}}\n"
-        "  autoscale: {enabled: true, interval_s: 1, cooldown_s: 2, min_pressure: 0.3,\n"
-        "              add_above: 0.05, remove_below: 0.02, remove_after_s: 8, max_prefill: 2}\n"
-    )
-    server = start_server(work, "--config", str(config), "--address", cluster.address)
-    yield server
-    finish_server(server)
-    cluster.shutdown()
 
 
 def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling):
