@@ -82,12 +82,9 @@ def _ask(server, rng: random.Random, max_tokens: int = 2) -> dict:
     return response.json()
 
 
-def test_a_loaded_prefill_pool_takes_a_node_from_the_idle_decode_pool(autoscaled):
-    server = autoscaled
-    before = _pools(server)
-    assert len(before["prefill"]) == 1 and len(before["decode"]) == 2
-    moved = r'pdserve_autoscale_decisions_total\{action="to_prefill",reason="moved"\}'
-    assert _metric(server, moved) == 0
+def load_until(server, done, deadline_s: float) -> tuple[list[dict], list[str]]:
+    """Four clients send long prompts back to back until `done()` or `deadline_s`; returns
+    (answers, failures)."""
     stop, answers, failures = threading.Event(), [], []
 
     def load(seed: int) -> None:
@@ -95,20 +92,32 @@ def test_a_loaded_prefill_pool_takes_a_node_from_the_idle_decode_pool(autoscaled
         while not stop.is_set():
             try:
                 answers.append(_ask(server, rng))
-            except Exception as error:  # noqa: BLE001 - collected and asserted below
+            except Exception as error:  # noqa: BLE001 - returned, asserted by the caller
                 failures.append(repr(error))
 
     workers = [threading.Thread(target=load, args=(seed,)) for seed in range(4)]
     for worker in workers:
         worker.start()
     try:
-        deadline = time.monotonic() + MOVE_DEADLINE_S
-        while time.monotonic() < deadline and len(_pools(server)["prefill"]) < 2:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline and not done():
             time.sleep(0.5)
     finally:
         stop.set()
         for worker in workers:
             worker.join(timeout=300)
+    return answers, failures
+
+
+def test_a_loaded_prefill_pool_takes_a_node_from_the_idle_decode_pool(autoscaled):
+    server = autoscaled
+    before = _pools(server)
+    assert len(before["prefill"]) == 1 and len(before["decode"]) == 2
+    moved = r'pdserve_autoscale_decisions_total\{action="to_prefill",reason="moved"\}'
+    assert _metric(server, moved) == 0
+    answers, failures = load_until(
+        server, lambda: len(_pools(server)["prefill"]) >= 2, MOVE_DEADLINE_S
+    )
     after = _pools(server)
     assert len(after["prefill"]) == 2 and len(after["decode"]) == 1, after
     [newcomer] = [name for name in after["prefill"] if name not in before["prefill"]]

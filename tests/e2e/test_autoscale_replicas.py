@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import random
 import re
-import threading
 import time
 
 import pytest
 
-from tests.e2e.test_autoscale import _ask, _metric, _pools, serve_autoscaled
+from tests.e2e.test_autoscale import _ask, _metric, _pools, load_until, serve_autoscaled
 
 ADD_DEADLINE_S = 240
 REMOVE_DEADLINE_S = 90
@@ -35,28 +34,9 @@ def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling
     assert _pools(server) == {"prefill": ["pdserve-prefill-0"], "decode": ["pdserve-decode-0"]}
     added = r'pdserve_autoscale_decisions_total\{action="add_prefill",reason="added"\}'
     removed = r'pdserve_autoscale_decisions_total\{action="remove_prefill",reason="removed"\}'
-    stop, answers, failures = threading.Event(), [], []
-
-    def load(seed: int) -> None:
-        rng = random.Random(seed)
-        while not stop.is_set():
-            try:
-                answers.append(_ask(server, rng))
-            except Exception as error:  # noqa: BLE001 - collected and asserted below
-                failures.append(repr(error))
-
-    workers = [threading.Thread(target=load, args=(seed,)) for seed in range(4)]
-    for worker in workers:
-        worker.start()
     routed = r'pdserve_routing_decisions_total\{node="pdserve-prefill-1",pool="prefill"\}'
-    try:
-        deadline = time.monotonic() + ADD_DEADLINE_S
-        while time.monotonic() < deadline and _metric(server, routed) < 2:
-            time.sleep(0.5)  # started, joined, and taking prefill legs
-    finally:
-        stop.set()
-        for worker in workers:
-            worker.join(timeout=300)
+    # until the new node has started, joined and taken prefill legs
+    answers, failures = load_until(server, lambda: _metric(server, routed) >= 2, ADD_DEADLINE_S)
     assert _metric(server, added) >= 1
     assert _metric(server, routed) >= 2, _pools(server)
     log = server.log.read_text()
