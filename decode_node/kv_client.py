@@ -57,13 +57,14 @@ class KVClient:
         try:
             conn.settimeout(max(0.01, min(CONTROL_TIMEOUT_S, deadline - time.monotonic())))
             self._prove_ourselves(conn)
-            pairing = self.plane.consumer_pairing(peer)
+            local_host = conn.getsockname()[0]
+            pairing = self.plane.consumer_pairing(peer, local_host)
             layout = layout_to_pb(self.plane.layout)
             send_message(conn, pb.Handshake(layout=layout, **pairing))
             result = recv_message(conn, pb.HandshakeResult)
             if not result.ok:
                 raise TransferError("handshake", result.message)
-            link = self.plane.consumer_link(peer, pairing)
+            link = self.plane.consumer_link(peer, pairing, local_host, deadline)
             send_message(
                 conn,
                 pb.PullRequest(

@@ -333,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.sim.main import add_parser as add_simulate_parser
 
     add_simulate_parser(commands)
+    from pdserve.hosts.main import add_parser as add_hosts_parser
+
+    add_hosts_parser(commands)
     return parser
 
 

@@ -222,6 +222,10 @@ class RouterConfig(_Strict):
     sent (sampling without state only); off: such a stream ends with an explicit error."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
+    node_silence_s: float = Field(3.0, gt=0)
+    """A node that neither streams nor answers a health check for this long is treated as lost
+    (its host or link is down): it leaves its pool and its streams resume on other nodes, without
+    waiting tens of seconds for Ray to declare it dead. Health checks run every second."""
     placement: PlacementConfig = PlacementConfig()
     """Disaggregated mode: where each request's prompt is computed."""
     tpot_target_s: float = Field(0.1, gt=0)
@@ -235,8 +239,9 @@ class RouterConfig(_Strict):
 class KVTransferConfig(_Strict):
     """The KV hand-over between pools; defaults are the connector's own (pdserve/kv/settings.py)."""
 
-    transport: Literal["tcp", "nccl"] = KV_DEFAULTS.transport
-    """Data plane for KV blocks: `tcp` (sockets, any host) or `nccl` (GPU to GPU)."""
+    transport: Literal["tcp", "nccl", "gloo"] = KV_DEFAULTS.transport
+    """Data plane for KV blocks: `tcp` (sockets, any host), `nccl` (GPU to GPU), or `gloo` (the
+    NCCL plane's pairing and ordering on torch.distributed's gloo, between CPU engines)."""
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = KV_DEFAULTS.host

@@ -49,7 +49,11 @@ def with_planned_chunk(config: PDServeConfig, model_dir: Path) -> PDServeConfig:
 
 
 def _init_ray(config: PDServeConfig) -> bool:
-    """Start a local Ray (returns True) or join `ray.address` (returns False)."""
+    """Start a local Ray (returns True) or join `ray.address` (returns False).
+
+    Without an address this always starts a new Ray of its own (`address="local"`): a bare
+    `ray.init()` would join the cluster named in Ray's `ray_current_cluster` file (the last one
+    `ray start` made on this machine), whoever made it."""
     if config.ray.address:
         ray.init(address=config.ray.address, logging_level=logging.WARNING)
         logger.info("joined Ray cluster at %s", config.ray.address)
@@ -66,6 +70,7 @@ def _init_ray(config: PDServeConfig) -> bool:
         "decode_pool": float(max(1, pools.decode.replicas)),
     }
     ray.init(
+        address="local",
         num_cpus=config.ray.num_cpus,
         resources=resources,
         include_dashboard=False,
@@ -142,6 +147,7 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
                 for actor, info in zip(actors, infos[name], strict=True)
             ],
             make_policy(config.router.policy, role=name),
+            silence_s=config.router.node_silence_s,
         )
         for name, actors in pools.items()
     }

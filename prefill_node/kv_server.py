@@ -143,7 +143,7 @@ class KVServer:
                 "nccl_unique_id": handshake.nccl_unique_id,
                 "nccl_pair_key": handshake.nccl_pair_key,
             }
-            link = self.plane.producer_link(pairing)
+            link = self.plane.producer_link(pairing, conn.getsockname()[0], deadline)
             _within(conn, deadline)
             self._serve_pull(conn, recv_message(conn, pb.PullRequest), link)
         except (ProtocolError, ConnectionError, TimeoutError, OSError) as error:

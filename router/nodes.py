@@ -7,6 +7,7 @@ the router (pools, policies, dispatch, metrics) works on `Node`s and never impor
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator
@@ -66,5 +67,10 @@ class Node:
     """Whether the node has reported stats yet."""
     restarting: bool = False
     missed_checks: int = 0
+    last_heard: float = field(default_factory=time.monotonic)
+    """When the node last answered (a delta on any of its streams, or a health check): a node
+    silent for longer than the pool's `silence_s` is treated as lost (router/pools.py)."""
+    checking: Any = None
+    """The health check in flight, if any (one at a time per node)."""
     history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
     """(monotonic time, counters) of recent health checks: the metrics' rate windows."""

@@ -6,10 +6,17 @@ deadline, turns a node failure into `NodeFailed` naming the pool and node (and t
 of the pool), and cancels the node-side request when the caller stops listening (client gone,
 deadline, error), which aborts it in vLLM and frees its blocks.
 
-`Pool.watch` keeps membership live: every interval it asks each node for health and stats. A node
-that dies leaves the pool at once (also when a call sees it die); one that misses checks leaves
-after `MISSED_CHECKS_TO_EVICT` in a row; a node Ray restarted comes back without an engine, is
-started again, and rejoins when healthy.
+`Pool.watch` keeps membership live: every interval it asks each node for health and stats (one
+check in flight per node: a node that does not answer never delays the others). A node that dies
+leaves the pool at once (also when a call sees it die); one that misses checks leaves after
+`MISSED_CHECKS_TO_EVICT` in a row; a node Ray restarted comes back without an engine, is started
+again, and rejoins when healthy.
+
+A node can also fall **silent**: its host's link is cut, or the host is gone without a word, and
+Ray takes tens of seconds to say so. A node that has neither streamed a delta nor answered a
+health check for `silence_s` (a few check intervals) is treated as lost: it leaves its pool, and
+every stream open on it ends with `NodeFailed`, so the retry policy resumes the stream elsewhere
+instead of waiting on the node. A silent node that answers again rejoins like any other.
 """
 
 from __future__ import annotations
@@ -33,15 +40,20 @@ MISSED_CHECKS_TO_EVICT = 3
 """A node busy enough to miss a health check is not dead: it leaves its pool after this many
 missed checks in a row, or at once when Ray says the actor died."""
 RESTART_TIMEOUT_S = 600.0
+SILENCE_S = 3.0
+"""Default for `router.node_silence_s`: how long a node may say nothing before it is lost."""
 COMPUTES_PROMPT = ("prefill", "generate")
 """Node methods that compute the prompt (a decode leg loads it)."""
 
 
 class Pool:
-    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy) -> None:
+    def __init__(
+        self, name: str, nodes: list[Node], policy: RoutingPolicy, silence_s: float = SILENCE_S
+    ) -> None:
         self.name = name
         self.nodes = nodes
         self.policy = policy
+        self.silence_s = silence_s
         self._watcher: asyncio.Task | None = None
         self.on_pick = None
         """Called with (pool name, node name) for each node chosen (the routing metric)."""
@@ -81,7 +93,7 @@ class Pool:
         deltas = node.client.stream(method, request_id, prompt_token_ids, *args)
         try:  # closing the node's stream (below) cancels the call on the node
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                async for delta in deltas:
+                async for delta in self._while_heard(node, deltas):
                     node.prefilling_tokens -= computing
                     computing = 0
                     yield delta
@@ -100,6 +112,35 @@ class Pool:
             node.prefilling_tokens -= computing
             await deltas.aclose()
 
+    def silent_for(self, node: Node) -> float:
+        """Seconds since the node was last heard from, beyond `silence_s` (0: not silent)."""
+        quiet = time.monotonic() - node.last_heard
+        return quiet if quiet > self.silence_s else 0.0
+
+    async def _while_heard(
+        self, node: Node, deltas: AsyncIterator[TokenDelta]
+    ) -> AsyncIterator[TokenDelta]:
+        """`deltas`, ended with `NodeFailed` once the node has been silent for `silence_s`."""
+        poll_s = self.silence_s / 4
+        while True:
+            step = asyncio.ensure_future(anext(deltas))
+            try:
+                while not step.done():
+                    await asyncio.wait((step,), timeout=poll_s)
+                    quiet = self.silent_for(node)
+                    if quiet and not step.done():
+                        raise NodeFailed(f"silent for {quiet:.1f} s (host or link down?)")
+            finally:  # leaving early (silence, deadline, the caller gone): stop the read
+                if not step.done():
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+            try:
+                delta = step.result()
+            except StopAsyncIteration:
+                return
+            node.last_heard = time.monotonic()
+            yield delta
+
     # ---- membership ----------------------------------------------------------------------------
 
     def start_watching(self, interval_s: float = 1.0) -> None:
@@ -113,9 +154,26 @@ class Pool:
             self._watcher = None
 
     async def _watch(self, interval_s: float) -> None:
-        while True:
-            await asyncio.gather(*(self.refresh(node) for node in self.nodes))
-            await asyncio.sleep(interval_s)
+        try:
+            while True:
+                for node in list(self.nodes):
+                    self._check(node)
+                await asyncio.sleep(interval_s)
+        finally:
+            checks = [node.checking for node in self.nodes if node.checking is not None]
+            for check in checks:
+                check.cancel()
+            await asyncio.gather(*checks, return_exceptions=True)
+
+    def _check(self, node: Node) -> None:
+        """Start a health check of `node` unless one is in flight; a node silent for too long
+        leaves the pool while its check hangs."""
+        if node.checking is not None and not node.checking.done():
+            quiet = self.silent_for(node)
+            if quiet and node.healthy:
+                self.mark_failed(node, f"silent for {quiet:.1f} s (host or link down?)")
+            return
+        node.checking = asyncio.get_running_loop().create_task(self.refresh(node))
 
     async def refresh(self, node: Node) -> None:
         """One health check: refresh stats, drop a failed node, restart a revived one."""
@@ -124,6 +182,7 @@ class Pool:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 healthy = await node.client.check_health()
+                node.last_heard = time.monotonic()
                 node.stats = await node.client.stats()
                 node.reported = True
                 node.history.append((time.monotonic(), counters(node.stats)))

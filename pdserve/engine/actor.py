@@ -291,9 +291,14 @@ class EngineActor:
         }
 
     async def stats(self) -> NodeStats:
+        stats = self._stats
+        if stats.requests_started_total == stats.requests_finished_total:
+            # vLLM reports the scheduler at each step, so an idle engine's last report still
+            # counts the request its final step finished: nothing is in flight here
+            stats.running = stats.waiting = 0
         if self._gpu is not None:
-            self._gpu.sample(self._stats)
-        return self._stats
+            self._gpu.sample(stats)
+        return stats
 
     async def shutdown(self) -> None:
         if self._engine is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 SECRET_ENV = "PDSERVE_KV_SECRET"
-TRANSPORTS = ("tcp", "nccl")
+TRANSPORTS = ("tcp", "nccl", "gloo")
 LOADS = ("sync", "async")
 
 
@@ -25,7 +25,8 @@ class ConnectorSettings:
     port: int = 0
     """Base port of the KV servers (rank r listens on port + r); 0 picks free ports."""
     transport: str = "tcp"
-    """Data plane for block bytes: "tcp" (sockets, any host) or "nccl" (GPU to GPU)."""
+    """Data plane for block bytes: "tcp" (sockets, any host), "nccl" (GPU to GPU) or "gloo" (the
+    same collective plane as nccl, between CPU caches)."""
     lease_s: float = 30.0
     """How long the producer keeps a finished prefill's blocks for a consumer."""
     timeout_s: float = 10.0

@@ -14,6 +14,7 @@ def ray_session(tmp_path_factory):
 
     os.environ.setdefault("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-rpc")))
     ray.init(
+        address="local",  # a Ray of its own, whatever cluster this machine last started
         num_cpus=8,
         include_dashboard=False,
         log_to_driver=False,

@@ -5,9 +5,10 @@ has id 96 + p and text " t{p}" — so after the default 4-token prompt, ids 100,
 whichever node computes it, so a continuation elsewhere goes on with the same tokens. It records
 every call and whether the router cancelled it. A KV-only prefill (the seam policy's first token
 on the decode node) returns token 999, which must never reach a client. Faults are scripted per
-node: `die_after` (the node dies after that many deltas of its next call), `kv_failure` (its
-decode reports a failed KV pull), `delay_s` (between deltas), `first_finishes` (its prefill's
-token ends the request).
+node: `die_after` (the node dies after that many deltas of its next call), `silent_after` (its
+link is cut after that many deltas: the stream and health checks hang until `speak()`),
+`kv_failure` (its decode reports a failed KV pull), `delay_s` (between deltas), `first_finishes`
+(its prefill's token ends the request).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Call:
 class FakeNode(NodeClient):
     name: str
     die_after: int | None = None
+    silent_after: int | None = None
     kv_failure: bool = False
     delay_s: float = 0.0
     first_finishes: bool = False
@@ -51,6 +53,19 @@ class FakeNode(NodeClient):
     engine: bool = True
     """False: the actor lives without an engine (its health check says so; `start` builds one)."""
     starts: int = 0
+    silent: bool = False
+    """True: nothing the node says reaches the router (a cut link); calls hang."""
+    _heard: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _hang_while_silent(self) -> None:
+        while self.silent:
+            self._heard.clear()
+            await self._heard.wait()
+
+    def speak(self) -> None:
+        """The link is back."""
+        self.silent = False
+        self._heard.set()
 
     def token(self, position: int) -> TokenDelta:
         return TokenDelta([96 + position], f" t{position}")
@@ -78,6 +93,9 @@ class FakeNode(NodeClient):
                 if self.die_after is not None and index >= self.die_after:
                     self.die_after, self.healthy = None, False
                     raise NodeFailed("ActorDiedError")
+                if self.silent_after is not None and index >= self.silent_after:
+                    self.silent_after, self.silent = None, True
+                await self._hang_while_silent()
                 if method == "decode" and self.kv_failure:
                     raise KVLoadFailed("connect", "cannot reach KV server")
                 if self.delay_s:
@@ -94,6 +112,7 @@ class FakeNode(NodeClient):
         return NodeInfo(self.name, 1 + self.starts, "ray-node", 2048, 128, 0.1)
 
     async def check_health(self) -> bool:
+        await self._hang_while_silent()
         if not self.healthy:
             raise NodeFailed("ActorDiedError")
         return self.engine
@@ -102,13 +121,19 @@ class FakeNode(NodeClient):
         return NodeStats(max_num_seqs=64)
 
 
-def pool(name: str, *fakes: FakeNode) -> Pool:
+def pool(name: str, *fakes: FakeNode, silence_s: float = 3.0) -> Pool:
     nodes = [Node(f.name, f, NodeInfo(f.name, 1, "ray-node", 2048, 128, 0.1)) for f in fakes]
-    return Pool(name, nodes, make_policy("round_robin", name))
+    return Pool(name, nodes, make_policy("round_robin", name), silence_s=silence_s)
 
 
-def disaggregated(prefill: list[FakeNode], decode: list[FakeNode], fallback: bool = True):
-    return Disaggregated(pool("prefill", *prefill), pool("decode", *decode), fallback)
+def disaggregated(
+    prefill: list[FakeNode], decode: list[FakeNode], fallback: bool = True, silence_s: float = 3.0
+):
+    return Disaggregated(
+        pool("prefill", *prefill, silence_s=silence_s),
+        pool("decode", *decode, silence_s=silence_s),
+        fallback,
+    )
 
 
 def colocated(*fakes: FakeNode) -> Colocated:

@@ -43,8 +43,10 @@ ALLOWED = {
         "decode_node",
         "router",
     },
+    "pdserve.hosts": set(),
     "pdserve.cli": {
         "pdserve",
+        "pdserve.hosts",
         "pdserve.bench",
         "pdserve.config",
         "pdserve.model_prep",

@@ -4,6 +4,7 @@ checks, and a node whose engine died is rebuilt and rejoins."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from router.nodes import NodeClient
 from tests.helpers.fake_nodes import FakeNode, pool
@@ -56,3 +57,69 @@ async def test_a_dead_actor_leaves_at_once_and_a_slow_one_after_three_misses():
     for expected in (True, True, False):
         await slow.refresh(slow.nodes[0])
         assert slow.nodes[0].healthy is expected
+
+
+# ---- silent nodes: a cut link or a vanished host, long before Ray says so ----------------------
+
+
+async def test_a_stream_whose_node_falls_silent_continues_on_another_node():
+    from router.retry import RetryPolicy, runs
+    from tests.helpers.fake_nodes import disaggregated, prepared
+
+    cut = FakeNode("d0", silent_after=2)
+    dispatcher = disaggregated([FakeNode("p0")], [cut, FakeNode("d1")], silence_s=0.3)
+    resumed, tokens = [], []
+    started = time.monotonic()
+    async for delta in runs(
+        dispatcher, prepared(max_tokens=8), time.monotonic() + 30, RetryPolicy(3), print,
+        resumed.append,
+    ):  # fmt: skip
+        tokens += delta.token_ids
+    assert tokens == list(range(100, 108))  # every token once, in order
+    assert len(resumed) == 1 and "silent" in resumed[0].message
+    assert time.monotonic() - started < 2.0
+    assert not dispatcher.decode.nodes[0].healthy and dispatcher.decode.nodes[1].healthy
+
+
+async def test_a_node_that_is_slow_but_answers_its_checks_is_not_lost():
+    from router.retry import RetryPolicy, runs
+    from tests.helpers.fake_nodes import colocated, prepared
+
+    slow = FakeNode("c0", delay_s=0.5)  # each token takes longer than the silence bound
+    dispatcher = colocated(slow)
+    dispatcher.pool.silence_s = 0.3
+    dispatcher.pool.start_watching(interval_s=0.05)
+    try:
+        deltas = [
+            d
+            async for d in runs(
+                dispatcher, prepared(max_tokens=3), time.monotonic() + 30, RetryPolicy(1), print
+            )
+        ]
+    finally:
+        await dispatcher.pool.stop_watching()
+    assert [t for d in deltas for t in d.token_ids] == [100, 101, 102]
+    assert dispatcher.pool.nodes[0].healthy
+
+
+async def test_a_silent_node_leaves_while_its_check_hangs_and_rejoins_when_it_answers():
+    quiet, loud = FakeNode("d0"), FakeNode("d1")
+    decode = pool("decode", quiet, loud, silence_s=0.3)
+    decode.start_watching(interval_s=0.05)
+    try:
+        await wait_until(lambda: all(n.reported for n in decode.nodes))
+        quiet.silent = True
+        await wait_until(lambda: not decode.nodes[0].healthy)
+        assert decode.nodes[1].healthy  # its checks never waited on the hung one
+        assert decode.healthy_nodes() == [decode.nodes[1]]
+        quiet.speak()
+        await wait_until(lambda: decode.nodes[0].healthy)
+    finally:
+        await decode.stop_watching()
+
+
+async def wait_until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

@@ -1,5 +1,6 @@
-"""NCCL transport: pairing and control logic on CPU (a stand-in NCCL library that records what
-it is asked), and a real two-rank transfer on machines with two or more GPUs."""
+"""NCCL transport: the NCCL backend's calls under the collective plane's pairing, on CPU (a
+stand-in NCCL library that records what it is asked), and a real two-rank transfer on machines
+with two or more GPUs. The plane's own logic runs for real on gloo (test_kv_gloo.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 import pytest
 import torch
 
-from pdserve.kv.transport.nccl import CONSUMER_RANK, PRODUCER_RANK, Pairing, pair_key
+from pdserve.kv.transport.collective import CONSUMER_RANK, PRODUCER_RANK, Pairing, pair_key
+from pdserve.kv.transport.nccl import NcclBackend
 from pdserve.kv.wire import ProtocolError
 
 
@@ -37,40 +39,41 @@ class RecordingNccl:
 
 
 def test_first_contact_sends_an_id_then_reuses_the_pair_key():
-    consumer, producer = Pairing(RecordingNccl()), Pairing(RecordingNccl())
+    consumer = Pairing(NcclBackend(RecordingNccl()))
+    producer = Pairing(NcclBackend(RecordingNccl()))
     peer = ("10.0.0.1", 7000)
     first = consumer.consumer_fields(peer)
     assert len(first["nccl_unique_id"]) == 128
     served = producer.producer_link(first)
     link = consumer.consumer_link(peer, first)
-    assert producer.library.inits == [(2, first["nccl_unique_id"], PRODUCER_RANK)]
-    assert consumer.library.inits == [(2, first["nccl_unique_id"], CONSUMER_RANK)]
+    assert producer.backend.library.inits == [(2, first["nccl_unique_id"], PRODUCER_RANK)]
+    assert consumer.backend.library.inits == [(2, first["nccl_unique_id"], CONSUMER_RANK)]
     assert (served.peer_rank, link.peer_rank) == (CONSUMER_RANK, PRODUCER_RANK)
 
     again = consumer.consumer_fields(peer)
     assert again == {"nccl_pair_key": pair_key(first["nccl_unique_id"])}
     assert consumer.consumer_link(peer, again) is link
     assert producer.producer_link(again) is served
-    assert len(producer.library.inits) == 1 and len(consumer.library.inits) == 1
+    assert len(producer.backend.library.inits) == 1 and len(consumer.backend.library.inits) == 1
 
 
 def test_each_producer_gets_its_own_communicator():
-    consumer = Pairing(RecordingNccl())
+    consumer = Pairing(NcclBackend(RecordingNccl()))
     a = consumer.consumer_fields(("h", 1))
     b = consumer.consumer_fields(("h", 2))
     assert a["nccl_unique_id"] != b["nccl_unique_id"]
 
 
 def test_unknown_pair_key_and_bad_ids_are_refused():
-    producer = Pairing(RecordingNccl())
-    with pytest.raises(ProtocolError, match="unknown NCCL pair key"):
+    producer = Pairing(NcclBackend(RecordingNccl()))
+    with pytest.raises(ProtocolError, match="unknown pair key"):
         producer.producer_link({"nccl_pair_key": b"x" * 16})
     with pytest.raises(ProtocolError, match="128 bytes"):
         producer.producer_link({"nccl_unique_id": b"short"})
 
 
 def test_a_failed_pairing_is_forgotten():
-    consumer = Pairing(RecordingNccl())
+    consumer = Pairing(NcclBackend(RecordingNccl()))
     peer = ("h", 1)
     first = consumer.consumer_fields(peer)
     consumer.forget(peer)
@@ -148,7 +151,7 @@ def test_two_rank_nccl_transfer_moves_exact_blocks():
 def test_a_stalled_pair_is_aborted_and_paired_afresh():
     """The watchdog's half that needs no GPU: a wait that outlives its deadline raises, and an
     aborted pair is forgotten on both sides (the next contact sends a new id)."""
-    from pdserve.kv.transport.nccl import wait_until
+    from pdserve.kv.transport.collective import wait_until
 
     started = time.monotonic()
     with pytest.raises(TimeoutError):
@@ -159,7 +162,7 @@ def test_a_stalled_pair_is_aborted_and_paired_afresh():
     library = RecordingNccl()
     library.aborted = []
     library.ncclCommAbort = library.aborted.append
-    consumer = Pairing(library)
+    consumer = Pairing(NcclBackend(library))
     peer = ("h", 1)
     link = consumer.consumer_link(peer, consumer.consumer_fields(peer))
     assert "nccl_pair_key" in consumer.consumer_fields(peer)

@@ -7,6 +7,7 @@ import importlib
 _REGISTRY = {
     "tcp": ("pdserve.kv.transport.tcp", "TcpPlane"),
     "nccl": ("pdserve.kv.transport.nccl", "NcclPlane"),
+    "gloo": ("pdserve.kv.transport.gloo", "GlooPlane"),
 }
 
 

@@ -8,7 +8,7 @@ consumer's in `decode_node/kv_client.py`. A data plane only moves bytes:
 - consumer side (decode worker): `recv_blocks(conn, block_ids, deadline, link)`;
 - optional per-peer pairing, negotiated inside the handshake: `consumer_pairing` adds fields to
   it, `consumer_link` and `producer_link` return the link both sides then use (the NCCL
-  communicator); TCP needs none and uses the control socket itself.
+  communicator, collective.py); TCP needs none and uses the control socket itself.
 
 A run is a contiguous tensor slice: consecutive block ids of one layer, moved as one piece.
 """
@@ -54,16 +54,27 @@ class DataPlane(ABC):
     def recv_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):
         """Consumer: fill these blocks of every layer, in the same order, with the bytes."""
 
-    def consumer_pairing(self, peer: tuple[str, int]) -> dict[str, bytes]:
-        """Consumer: extra Handshake fields for this peer (default: none)."""
+    def consumer_pairing(self, peer: tuple[str, int], local_host: str = "") -> dict[str, bytes]:
+        """Consumer: extra Handshake fields for this peer (default: none). `local_host`: this
+        side's address on the connection to the peer."""
         return {}
 
-    def consumer_link(self, peer: tuple[str, int], pairing: dict[str, bytes]) -> Any:
-        """Consumer, after an accepted handshake: the data link to this peer (default: none)."""
+    def consumer_link(
+        self,
+        peer: tuple[str, int],
+        pairing: dict[str, bytes],
+        local_host: str = "",
+        deadline: float | None = None,
+    ) -> Any:
+        """Consumer, after an accepted handshake: the data link to this peer (default: none),
+        made before `deadline`."""
         return None
 
-    def producer_link(self, pairing: dict[str, bytes]) -> Any:
-        """Producer, after an accepted handshake: the link to this consumer (default: none)."""
+    def producer_link(
+        self, pairing: dict[str, bytes], local_host: str = "", deadline: float | None = None
+    ) -> Any:
+        """Producer, after an accepted handshake: the link to this consumer (default: none),
+        made before `deadline`."""
         return None
 
     def runs(self, block_ids: list[int]) -> Iterator[Any]:

@@ -1,0 +1,145 @@
+"""A pdserve cluster on emulated hosts (network namespaces), brought up with the deploy files'
+own commands: Ray started on each host from `deploy/ray/pdserve-cluster.yaml`, `pdserve serve`
+on the head with `deploy/config/cluster-cpu.yaml`, and the client on this machine reaching the
+router across the head's link. Used by tests/e2e/test_hosts.py; needs root."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from pdserve.hosts import EmulatedCluster, HostsError
+from pdserve.hosts.ray_hosts import cluster_env, start_ray
+from tests.conftest import REPO
+from tests.e2e.conftest import Server, _wait_ready
+
+PREFIX, SUBNET = "pdt", "127.102.0.0/24"
+HOSTS = ["head", "prefill", "decode0", "decode1"]
+API_KEY = "emulated-cluster-test-key"
+
+
+@dataclass
+class HostCluster:
+    hosts: EmulatedCluster
+    server: Server
+    serve: subprocess.Popen
+
+    def node_host(self, pid: int) -> str:
+        """The host a node's process runs on (the hosts share one process table)."""
+        for host in self.hosts:
+            if pid in self.hosts.pids(host.name):
+                return host.name
+        raise AssertionError(f"pid {pid} is on no host")
+
+    def link_bytes(self, host: str, direction: str) -> int:
+        """Bytes the host's link carried: `from` the host into the bridge, or `to` it."""
+        name = "rx_bytes" if direction == "from" else "tx_bytes"
+        link = self.hosts.host(host).link
+        return int(Path(f"/sys/class/net/{link}/statistics/{name}").read_text())
+
+
+def config_for_test(work: Path) -> Path:
+    """deploy/config/cluster-cpu.yaml as written, with what a test needs on top: float32 (exact
+    comparisons), every prompt prefilled on the prefill host (every request's KV crosses a
+    link), and short leases (blocks of a cut pull come back within the test)."""
+    config = yaml.safe_load((REPO / "deploy/config/cluster-cpu.yaml").read_text())
+    config["engine"]["dtype"] = "float32"
+    config["router"]["placement"] = {"mode": "remote"}
+    config["kv_transfer"]["lease_s"] = 20
+    path = work / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def bring_up(work: Path) -> HostCluster:
+    try:  # a cluster left by an interrupted run: take it down first
+        EmulatedCluster.find(PREFIX).down()
+    except HostsError:
+        pass
+    hosts = EmulatedCluster.up(HOSTS, PREFIX, SUBNET)
+    try:
+        roles = {"head": "head", "prefill": "prefill_gpu"}
+        roles |= {"decode0": "decode_gpu", "decode1": "decode_gpu"}
+        start_ray(hosts, roles, REPO / "deploy/ray/pdserve-cluster.yaml")
+        ready, log = work / "ready.json", work / "serve.log"
+        env = cluster_env(hosts, "head") | {
+            "PDSERVE_API_KEY": API_KEY,
+            "VLLM_RPC_BASE_PATH": str(work),
+            "PYTHONUNBUFFERED": "1",
+        }
+        command = [sys.executable, "-m", "pdserve.cli", "serve"]
+        command += ["--config", str(config_for_test(work)), "--port", "0", "--grpc-port", "0"]
+        with log.open("w") as out:
+            serve = hosts.popen(
+                "head", [*command, "--ready-file", str(ready)], stdout=out,
+                stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        urls = _wait_ready(serve, ready, log)
+        port = urls["http"].rsplit(":", 1)[1]
+        url = f"http://{hosts.address('head')}:{port}"
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        model = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        return HostCluster(hosts, Server(url, serve, log, model, "", headers), serve)
+    except BaseException:
+        hosts.down()
+        raise
+
+
+def tear_down(cluster: HostCluster) -> list[str]:
+    """Stop the router (it stops its engines), then every host; returns what was still running
+    on a host when its processes were ended."""
+    serve = cluster.serve
+    if serve.poll() is None:
+        serve.terminate()
+        try:
+            serve.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+
+    def engines_left() -> list[str]:
+        return [
+            f"{host.name}: {pid} {_name(pid)}"
+            for host in cluster.hosts
+            for pid in cluster.hosts.pids(host.name)
+            if _name(pid).startswith(("ray::DecodeNode", "ray::PrefillNode", "VLLM"))
+        ]
+
+    deadline = time.monotonic() + 30
+    while (left := engines_left()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    cluster.hosts.down()
+    return left
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return ""
+
+
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
+    """Poll `condition` until it returns something true; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+def can_make_hosts() -> str | None:
+    """Why this machine cannot run the emulated cluster (None: it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "`ip netns` is not available"
+    return None

@@ -1,0 +1,217 @@
+"""pdserve on a cluster of hosts: four network namespaces on this machine (the head with the
+router, a prefill host, two decode hosts), Ray started on each with the launcher file's own
+commands and token auth, `pdserve serve` on the head with deploy/config/cluster-cpu.yaml, and the
+client on this machine. Every request's KV crosses the prefill host's link to a decode host's.
+
+Then the links fail: a decode host's cable is pulled mid-stream (its streams continue on the
+other decode host, the pool follows, and the host rejoins when its cable is back), the prefill
+host's cable is pulled during a KV pull (the failure policy, within the pull's deadline), and a
+decode host dies whole. Nothing may hang, no stream may lose or repeat a token (float32: a
+resumed stream equals the uncut one), and no KV block stays held."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import metric
+from tests.e2e.hosts import bring_up, can_make_hosts, tear_down, wait_for
+
+pytestmark = pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
+SILENCE_BOUND_S = 8.0
+"""A cut stream must continue within this (router.node_silence_s is 3 s; the rest is the
+continuation's prefill on a loaded 2-core machine)."""
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir, tmp_path_factory):
+    cluster = bring_up(tmp_path_factory.mktemp("hosts"))
+    yield cluster
+    left = tear_down(cluster)
+    assert left == [], f"engine processes left on the hosts: {left}"
+
+
+@dataclass
+class Stream:
+    text: str = ""
+    finish: str | None = None
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
+    arrivals: list[float] = field(default_factory=list)
+
+    @property
+    def longest_gap_s(self) -> float:
+        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+        return max(gaps, default=0.0)
+
+
+def stream(cluster, max_tokens: int, prompt: str = PROMPT, into: Stream | None = None) -> Stream:
+    """A greedy streamed completion, read chunk by chunk (arrival times kept)."""
+    out = into or Stream()
+    body = {
+        "model": cluster.server.model, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    url = f"{cluster.server.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=cluster.server.headers, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                out.error = chunk["error"]["message"]
+            elif chunk.get("usage"):
+                out.usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                out.arrivals.append(time.monotonic())
+                out.text += choice["text"]
+                out.finish = choice.get("finish_reason") or out.finish
+    return out
+
+
+def nodes(cluster, pool: str) -> list[dict]:
+    health = httpx.get(f"{cluster.server.url}/health", headers=cluster.server.headers, timeout=10)
+    return health.json()["pools"][pool]["nodes"]
+
+
+def healthy(cluster, pool: str) -> float:
+    return metric(cluster.server, "pdserve_pool_nodes", pool=pool, state="healthy")
+
+
+def total(cluster, name: str, **labels: str) -> float:
+    """The sum of a family's samples with these labels, over every node."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{cluster.server.url}/metrics", headers=cluster.server.headers).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def start_streams(cluster, count: int, max_tokens: int) -> tuple[list[Stream], list]:
+    """`count` streams, each started once the one before has its first tokens (so the router
+    has seen its decode leg and places the next on another decode host)."""
+    streams, threads = [], []
+    for _ in range(count):
+        streams.append(Stream())
+        threads.append(
+            threading.Thread(
+                target=stream, args=(cluster, max_tokens), kwargs={"into": streams[-1]}
+            )
+        )
+        threads[-1].start()
+        wait_for(lambda: len(streams[-1].arrivals) >= 3, 120, "a stream flowing")
+    return streams, threads
+
+
+def test_each_pool_lives_on_its_hosts_and_kv_crosses_the_links(cluster):
+    assert [cluster.node_host(n["pid"]) for n in nodes(cluster, "prefill")] == ["prefill"]
+    decode_hosts = sorted(cluster.node_host(n["pid"]) for n in nodes(cluster, "decode"))
+    assert decode_hosts == ["decode0", "decode1"]
+    sent = total(cluster, "pdserve_kv_transfer_bytes_total", direction="sent")
+    left_prefill = cluster.link_bytes("prefill", "from")
+    answers = [stream(cluster, 24, f"{PROMPT} Chapter {i}.") for i in range(4)]
+    assert all(a.usage["completion_tokens"] == 24 and a.finish == "length" for a in answers)
+    moved = total(cluster, "pdserve_kv_transfer_bytes_total", direction="sent") - sent
+    assert moved > 0
+    assert cluster.link_bytes("prefill", "from") - left_prefill >= moved  # over the cable
+    for name in ("pdserve-decode-0", "pdserve-decode-1"):  # both decode hosts pulled
+        received = metric(
+            cluster.server, "pdserve_kv_transfer_bytes_total", node=name, direction="received"
+        )
+        assert received > 0, name
+
+
+def test_a_decode_hosts_cable_pulled_mid_stream_continues_on_the_other(cluster):
+    reference = stream(cluster, 160)  # uncut, alone: what every stream below must equal
+    assert reference.usage["completion_tokens"] == 160
+    streams, threads = start_streams(cluster, 2, 160)
+    busy = {cluster.node_host(n["pid"]) for n in nodes(cluster, "decode") if n["outstanding"]}
+    assert busy == {"decode0", "decode1"}  # one stream on each decode host
+    resumes = metric(cluster.server, "pdserve_stream_resumes_total", pool="decode")
+    cut_at = time.monotonic()
+    cluster.hosts.cut("decode0")
+    try:
+        wait_for(lambda: healthy(cluster, "decode") == 1, 10, "the pool loses the cut host")
+        left_s = time.monotonic() - cut_at
+        for thread in threads:
+            thread.join(timeout=180)
+    finally:
+        cluster.hosts.restore("decode0")
+    for s in streams:  # none lost or repeated a token: each equals the uncut stream
+        assert s.error is None and s.finish == "length", s
+        assert s.usage["completion_tokens"] == 160 and s.text == reference.text
+    cut = max(streams, key=lambda s: s.longest_gap_s)
+    print(f"decode host cut: pool followed in {left_s:.1f} s, stream resumed after "
+          f"{cut.longest_gap_s:.1f} s")  # fmt: skip
+    assert cut.longest_gap_s < SILENCE_BOUND_S
+    assert metric(cluster.server, "pdserve_stream_resumes_total", pool="decode") == resumes + 1
+    back = time.monotonic()
+    wait_for(lambda: healthy(cluster, "decode") == 2, 60, "the host rejoins with its cable back")
+    print(f"decode host rejoined {time.monotonic() - back:.1f} s after its cable came back")
+    wait_for(
+        lambda: all(n["running"] == 0 for n in nodes(cluster, "decode")),
+        60,
+        "the cut stream's request ends on the host that lost it",
+    )
+    again = stream(cluster, 16)  # and both hosts serve again
+    assert again.usage["completion_tokens"] == 16
+
+
+def test_the_prefill_hosts_cable_pulled_during_a_pull_recomputes_within_the_deadline(cluster):
+    long_prompt = " ".join([PROMPT] * 60)  # ~1000 tokens: ~46 MB of float32 KV
+    failures = total(cluster, "pdserve_kv_transfer_failures_total")
+    cluster.hosts.shape("prefill", "40mbit")  # the pull takes seconds: long enough to cut
+    result = Stream()
+    before = cluster.link_bytes("prefill", "from")
+    thread = threading.Thread(
+        target=stream, args=(cluster, 8, long_prompt + " Again."), kwargs={"into": result}
+    )
+    started = time.monotonic()
+    try:
+        thread.start()
+        wait_for(  # KV is on the wire (the prompt's first token came back long before)
+            lambda: cluster.link_bytes("prefill", "from") - before > 4 << 20, 120, "a pull"
+        )
+        cluster.hosts.cut("prefill")
+        thread.join(timeout=120)
+    finally:
+        cluster.hosts.restore("prefill")
+        cluster.hosts.shape("prefill", None)
+    took = time.monotonic() - started
+    assert not thread.is_alive()
+    assert result.error is None and result.usage["completion_tokens"] == 8, result
+    assert total(cluster, "pdserve_kv_transfer_failures_total") > failures
+    print(f"prefill host cut mid-pull: request done in {took:.1f} s (kv timeout 10 s)")
+    assert took < 10 + 30  # the pull's deadline, then the prompt recomputed on the decode host
+    wait_for(lambda: healthy(cluster, "prefill") == 1, 60, "the prefill host rejoins")
+    wait_for(
+        lambda: all(n["kv_blocks_held"] == 0 for n in nodes(cluster, "prefill")),
+        60,
+        "the cut pull's blocks are released",
+    )
+
+
+def test_a_decode_host_that_dies_whole_loses_no_stream(cluster):
+    reference = stream(cluster, 96)
+    streams, threads = start_streams(cluster, 2, 96)
+    assert cluster.hosts.kill("decode1") > 0  # every process of the host, at once
+    for thread in threads:
+        thread.join(timeout=180)
+    for s in streams:
+        assert s.error is None and s.finish == "length", s
+        assert s.text == reference.text
+    wait_for(lambda: healthy(cluster, "decode") == 1, 30, "the pool loses the dead host")
+    assert stream(cluster, 8).usage["completion_tokens"] == 8  # served by the host left
