@@ -103,6 +103,14 @@ def _on_host(action: str):
     return run
 
 
+def _restart(args: argparse.Namespace) -> int:
+    from pdserve.hosts.ray_hosts import restart_host
+
+    restart_host(EmulatedCluster.find(args.prefix), args.host, Path(args.launcher_file))
+    print(f"{args.host} restarted: Ray is up on it again")
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     EmulatedCluster.find(args.prefix).down()
     return 0
@@ -158,6 +166,14 @@ def add_parser(commands) -> None:
         parser = actions.add_parser(action, help=text)
         parser.add_argument("host")
         parser.set_defaults(action=_on_host(action))
+    restart = actions.add_parser(
+        "restart",
+        help="reboot a host: end its processes, start Ray on it again (a host Ray declared "
+        "dead rejoins this way)",
+    )
+    restart.add_argument("host")
+    restart.add_argument("--launcher-file", default=str(LAUNCHER_FILE))
+    restart.set_defaults(action=_restart)
     shape = actions.add_parser("shape", help="limit a host's link both ways (tc htb)")
     shape.add_argument("host")
     shape.add_argument("rate", help="a tc rate (1gbit, 200mbit) or none")

@@ -58,6 +58,8 @@ class Host:
     link: str
     """The host's end on the bridge (in the machine's namespace): cut and shaped here."""
     folder: str
+    role: str = ""
+    """The host type it runs Ray as (set by `ray_hosts.start_ray`)."""
 
 
 @dataclass
@@ -90,7 +92,7 @@ class EmulatedCluster:
                 f"{prefix}-{index}",
                 str(HOST_ROOT / prefix / name),
             )
-        cluster._save()  # saved first, so a half-made cluster can still be taken down
+        cluster.save()  # saved first, so a half-made cluster can still be taken down
         try:
             cluster._make()
         except BaseException:
@@ -142,7 +144,7 @@ class EmulatedCluster:
         hosts = {name: Host(**host) for name, host in data.pop("hosts").items()}
         return cls(**data, hosts=hosts)
 
-    def _save(self) -> None:
+    def save(self) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         _state_path(self.prefix).write_text(json.dumps(asdict(self), indent=2))
 

@@ -112,32 +112,46 @@ def start_ray(
     launcher_file: Path,
     slots: int = 1,
     cpus: dict[str, float] | None = None,
-    timeout_s: float = 120.0,
 ) -> str:
-    """Start Ray on every host: `roles` maps host → host type of `launcher_file` (the head type
-    first). Returns the cluster's address (`head:6379`)."""
+    """Start Ray on every host: `roles` maps host → host type of `launcher_file`; the head type
+    must be the first host's. Returns the cluster's address (`head:6379`)."""
     types = host_types(launcher_file)
     unknown = sorted(set(roles.values()) - set(types))
     if unknown:
         raise HostsError(f"host types {unknown} are not in {launcher_file} ({', '.join(types)})")
     heads = [h for h, t in roles.items() if "--head" in types[t].command]
-    if len(heads) != 1:
-        raise HostsError(f"exactly one host must be the head type, not {heads}")
-    head = heads[0]
-    order = [head, *(h for h in roles if h != head)]
-    for host in order:
-        command = start_command(
-            cluster, host, types[roles[host]], head, slots, (cpus or {}).get(host, 1)
-        )
-        done = cluster.run(
-            host,
-            ["bash", "-c", command],
-            env=cluster_env(cluster, host),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        if done.returncode != 0:
-            said = f"{done.stdout[-2000:]}{done.stderr[-3000:]}"
-            raise HostsError(f"ray start on {host} failed:\n{said}")
-    return f"{cluster.address(head)}:{RAY_PORT}"
+    if heads != [head_host(cluster)]:
+        raise HostsError(f"the first host, and only it, must be of the head type (not {heads})")
+    for host in [heads[0], *(h for h in roles if h != heads[0])]:
+        cluster.host(host).role = roles[host]
+        _start(cluster, host, types[roles[host]], slots, (cpus or {}).get(host, 1))
+    cluster.save()
+    return f"{cluster.address(heads[0])}:{RAY_PORT}"
+
+
+def restart_host(
+    cluster: EmulatedCluster, host: str, launcher_file: Path, slots: int = 1, cpus: float = 1
+) -> None:
+    """A host rebooted: every process it had ended, then Ray started on it again as its type
+    (how a host that Ray declared dead — a cable out longer than Ray's health checks allow, after
+    which its raylet exits — joins the cluster again)."""
+    role = cluster.host(host).role
+    if not role:
+        raise HostsError(f"{host} runs no Ray (`pdserve hosts up` without --no-ray starts it)")
+    cluster.kill(host, grace_s=2.0)
+    _start(cluster, host, host_types(launcher_file)[role], slots, cpus)
+
+
+def _start(cluster: EmulatedCluster, host: str, host_type: HostType, slots: int, cpus: float):
+    command = start_command(cluster, host, host_type, head_host(cluster), slots, cpus)
+    done = cluster.run(
+        host,
+        ["bash", "-c", command],
+        env=cluster_env(cluster, host),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        said = f"{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        raise HostsError(f"ray start on {host} failed:\n{said}")

@@ -45,12 +45,12 @@ class HostCluster:
         return int(Path(f"/sys/class/net/{link}/statistics/{name}").read_text())
 
 
-def config_for_test(work: Path) -> Path:
+def config_for_test(work: Path, dtype: str = "float32") -> Path:
     """deploy/config/cluster-cpu.yaml as written, with what a test needs on top: float32 (exact
     comparisons), every prompt prefilled on the prefill host (every request's KV crosses a
     link), and short leases (blocks of a cut pull come back within the test)."""
     config = yaml.safe_load((REPO / "deploy/config/cluster-cpu.yaml").read_text())
-    config["engine"]["dtype"] = "float32"
+    config["engine"]["dtype"] = dtype
     config["router"]["placement"] = {"mode": "remote"}
     config["kv_transfer"]["lease_s"] = 20
     path = work / "cluster.yaml"
@@ -58,7 +58,7 @@ def config_for_test(work: Path) -> Path:
     return path
 
 
-def bring_up(work: Path) -> HostCluster:
+def bring_up(work: Path, dtype: str = "float32") -> HostCluster:
     try:  # a cluster left by an interrupted run: take it down first
         EmulatedCluster.find(PREFIX).down()
     except HostsError:
@@ -75,7 +75,14 @@ def bring_up(work: Path) -> HostCluster:
             "PYTHONUNBUFFERED": "1",
         }
         command = [sys.executable, "-m", "pdserve.cli", "serve"]
-        command += ["--config", str(config_for_test(work)), "--port", "0", "--grpc-port", "0"]
+        command += [
+            "--config",
+            str(config_for_test(work, dtype)),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+        ]
         with log.open("w") as out:
             serve = hosts.popen(
                 "head", [*command, "--ready-file", str(ready)], stdout=out,
