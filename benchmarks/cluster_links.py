@@ -53,8 +53,10 @@ def handover_gap(cluster, length: int, rng: random.Random) -> float:
     return after[0] - before[0]
 
 
-def gaps(cluster, lengths: list[int], per_length: int) -> dict[int, float]:
-    rng = random.Random(0)
+def gaps(cluster, lengths: list[int], per_length: int, seed: int) -> dict[int, float]:
+    """Median gaps per prompt length; `seed` makes prompts no earlier run sent (a decode node
+    that has a prompt's blocks in its prefix cache pulls only the rest)."""
+    rng = random.Random(seed)
     return {n: statistics.median(handover_gap(cluster, n, rng) for _ in range(per_length))
             for n in lengths}  # fmt: skip
 
@@ -100,10 +102,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-cluster-links-") as work:
         cluster = bring_up(Path(work), dtype=args.dtype)
         try:
-            gaps(cluster, [64], 2)  # warm-up
-            unshaped = gaps(cluster, args.lengths, args.per_length)
+            gaps(cluster, [64], 2, seed=0)  # warm-up
+            unshaped = gaps(cluster, args.lengths, args.per_length, seed=1)
             cluster.hosts.shape("prefill", args.rate)
-            shaped = gaps(cluster, args.lengths, args.per_length)
+            shaped = gaps(cluster, args.lengths, args.per_length, seed=2)
             cluster.hosts.shape("prefill", None)
             found = {"rate": args.rate, "dtype": args.dtype, "gap_unshaped_s": unshaped}
             found |= {"gap_shaped_s": shaped}
