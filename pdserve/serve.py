@@ -136,9 +136,10 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
     from router.nodes import Node
     from router.placement import Placement
     from router.policies import make_policy
-    from router.pools import Pool
+    from router.pools import Hearing, Pool
     from router.ray_nodes import RayNodeClient
 
+    hearing = Hearing()  # one for every pool: silence is judged against what the router hears
     built = {
         name: Pool(
             name,
@@ -148,6 +149,7 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
             ],
             make_policy(config.router.policy, role=name),
             silence_s=config.router.node_silence_s,
+            hearing=hearing,
         )
         for name, actors in pools.items()
     }

@@ -17,6 +17,9 @@ Ray takes tens of seconds to say so. A node that has neither streamed a delta no
 health check for `silence_s` (a few check intervals) is treated as lost: it leaves its pool, and
 every stream open on it ends with `NodeFailed`, so the retry policy resumes the stream elsewhere
 instead of waiting on the node. A silent node that answers again rejoins like any other.
+Silence is counted only while the router could hear (`Hearing`): not across a stall of the
+router's own event loop (an overloaded router hears nobody for a while), and not while every node
+is silent at once (then the router, or its host, is what stopped).
 """
 
 from __future__ import annotations
@@ -42,18 +45,54 @@ missed checks in a row, or at once when Ray says the actor died."""
 RESTART_TIMEOUT_S = 600.0
 SILENCE_S = 3.0
 """Default for `router.node_silence_s`: how long a node may say nothing before it is lost."""
+LAG_S = 0.5
+"""A timer that fires this much later than asked means the router's own loop was stalled."""
+
+
+class Hearing:
+    """What the router has heard, shared by its pools: when it last heard any node, and when its
+    event loop last came back from a stall. A node's silence is counted from the later of its
+    own last word and that return, and only while some node is heard."""
+
+    def __init__(self) -> None:
+        self.heard_any = time.monotonic()
+        self.resumed_at = 0.0
+
+    def heard(self, node: Node) -> None:
+        node.last_heard = self.heard_any = time.monotonic()
+
+    def woke(self, asked_s: float, slept_s: float) -> None:
+        """A timer asked to wait `asked_s` waited `slept_s`: late enough, the loop was stalled."""
+        if slept_s > asked_s + LAG_S:
+            self.resumed_at = time.monotonic()
+
+    def silent_for(self, node: Node, bound_s: float) -> float:
+        """Seconds the node has been silent beyond `bound_s` (0: not silent)."""
+        now = time.monotonic()
+        if now - self.heard_any > bound_s / 2:
+            return 0.0  # nobody is heard: the router is what stopped hearing
+        quiet = now - max(node.last_heard, self.resumed_at)
+        return quiet if quiet > bound_s else 0.0
+
+
 COMPUTES_PROMPT = ("prefill", "generate")
 """Node methods that compute the prompt (a decode leg loads it)."""
 
 
 class Pool:
     def __init__(
-        self, name: str, nodes: list[Node], policy: RoutingPolicy, silence_s: float = SILENCE_S
+        self,
+        name: str,
+        nodes: list[Node],
+        policy: RoutingPolicy,
+        silence_s: float = SILENCE_S,
+        hearing: Hearing | None = None,
     ) -> None:
         self.name = name
         self.nodes = nodes
         self.policy = policy
         self.silence_s = silence_s
+        self.hearing = hearing or Hearing()
         self._watcher: asyncio.Task | None = None
         self.on_pick = None
         """Called with (pool name, node name) for each node chosen (the routing metric)."""
@@ -113,9 +152,9 @@ class Pool:
             await deltas.aclose()
 
     def silent_for(self, node: Node) -> float:
-        """Seconds since the node was last heard from, beyond `silence_s` (0: not silent)."""
-        quiet = time.monotonic() - node.last_heard
-        return quiet if quiet > self.silence_s else 0.0
+        """Seconds the node has been silent beyond `silence_s` (0: not silent, or the router
+        could not have heard it)."""
+        return self.hearing.silent_for(node, self.silence_s)
 
     async def _while_heard(
         self, node: Node, deltas: AsyncIterator[TokenDelta]
@@ -126,7 +165,10 @@ class Pool:
             step = asyncio.ensure_future(anext(deltas))
             try:
                 while not step.done():
+                    slept = time.monotonic()
                     await asyncio.wait((step,), timeout=poll_s)
+                    if not step.done():
+                        self.hearing.woke(poll_s, time.monotonic() - slept)
                     quiet = self.silent_for(node)
                     if quiet and not step.done():
                         raise NodeFailed(f"silent for {quiet:.1f} s (host or link down?)")
@@ -138,7 +180,7 @@ class Pool:
                 delta = step.result()
             except StopAsyncIteration:
                 return
-            node.last_heard = time.monotonic()
+            self.hearing.heard(node)
             yield delta
 
     # ---- membership ----------------------------------------------------------------------------
@@ -158,7 +200,9 @@ class Pool:
             while True:
                 for node in list(self.nodes):
                     self._check(node)
+                slept = time.monotonic()
                 await asyncio.sleep(interval_s)
+                self.hearing.woke(interval_s, time.monotonic() - slept)
         finally:
             checks = [node.checking for node in self.nodes if node.checking is not None]
             for check in checks:
@@ -182,7 +226,7 @@ class Pool:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 healthy = await node.client.check_health()
-                node.last_heard = time.monotonic()
+                self.hearing.heard(node)
                 node.stats = await node.client.stats()
                 node.reported = True
                 node.history.append((time.monotonic(), counters(node.stats)))

@@ -24,7 +24,7 @@ from router.dispatch import Colocated, Disaggregated
 from router.errors import NodeFailed
 from router.nodes import Node, NodeClient
 from router.policies import make_policy
-from router.pools import Pool
+from router.pools import Hearing, Pool
 from router.request import PreparedRequest
 
 
@@ -121,17 +121,19 @@ class FakeNode(NodeClient):
         return NodeStats(max_num_seqs=64)
 
 
-def pool(name: str, *fakes: FakeNode, silence_s: float = 3.0) -> Pool:
+def pool(name: str, *fakes: FakeNode, silence_s: float = 3.0, hearing=None) -> Pool:
     nodes = [Node(f.name, f, NodeInfo(f.name, 1, "ray-node", 2048, 128, 0.1)) for f in fakes]
-    return Pool(name, nodes, make_policy("round_robin", name), silence_s=silence_s)
+    policy = make_policy("round_robin", name)
+    return Pool(name, nodes, policy, silence_s=silence_s, hearing=hearing)
 
 
 def disaggregated(
     prefill: list[FakeNode], decode: list[FakeNode], fallback: bool = True, silence_s: float = 3.0
 ):
+    hearing = Hearing()  # the pools share it, as in `pdserve serve`
     return Disaggregated(
-        pool("prefill", *prefill, silence_s=silence_s),
-        pool("decode", *decode, silence_s=silence_s),
+        pool("prefill", *prefill, silence_s=silence_s, hearing=hearing),
+        pool("decode", *decode, silence_s=silence_s, hearing=hearing),
         fallback,
     )
 

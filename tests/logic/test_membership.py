@@ -70,11 +70,17 @@ async def test_a_stream_whose_node_falls_silent_continues_on_another_node():
     dispatcher = disaggregated([FakeNode("p0")], [cut, FakeNode("d1")], silence_s=0.3)
     resumed, tokens = [], []
     started = time.monotonic()
-    async for delta in runs(
-        dispatcher, prepared(max_tokens=8), time.monotonic() + 30, RetryPolicy(3), print,
-        resumed.append,
-    ):  # fmt: skip
-        tokens += delta.token_ids
+    for watched in dispatcher.pools.values():  # the other nodes' health checks are heard
+        watched.start_watching(interval_s=0.05)
+    try:
+        async for delta in runs(
+            dispatcher, prepared(max_tokens=8), time.monotonic() + 30, RetryPolicy(3), print,
+            resumed.append,
+        ):  # fmt: skip
+            tokens += delta.token_ids
+    finally:
+        for watched in dispatcher.pools.values():
+            await watched.stop_watching()
     assert tokens == list(range(100, 108))  # every token once, in order
     assert len(resumed) == 1 and "silent" in resumed[0].message
     assert time.monotonic() - started < 2.0
@@ -123,3 +129,41 @@ async def wait_until(condition, timeout: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+async def test_a_stalled_router_takes_no_node_for_lost():
+    """The router's own loop blocked longer than the silence bound (an overloaded router hears
+    nobody): when it runs again, no node has left its pool."""
+    fakes = [FakeNode("d0"), FakeNode("d1")]
+    decode = pool("decode", *fakes, silence_s=0.3)
+    decode.start_watching(interval_s=0.05)
+    try:
+        await wait_until(lambda: all(n.reported for n in decode.nodes))
+        for fake in fakes:  # their answers wait until the router runs again
+            fake.silent = True
+        time.sleep(0.8)  # the event loop stalls: nothing is read, no check answered
+        await asyncio.sleep(0.2)  # a few of the watcher's rounds
+        assert all(n.healthy for n in decode.nodes)  # none left while the router was away
+        for fake in fakes:
+            fake.speak()
+        await asyncio.sleep(0.3)
+        assert all(n.healthy for n in decode.nodes)
+    finally:
+        await decode.stop_watching()
+
+
+async def test_when_every_node_falls_silent_at_once_none_is_taken_for_lost():
+    """All silent together: the router (or its host) is what stopped hearing, not the nodes."""
+    fakes = [FakeNode("d0"), FakeNode("d1")]
+    decode = pool("decode", *fakes, silence_s=0.3)
+    decode.start_watching(interval_s=0.05)
+    try:
+        await wait_until(lambda: all(n.reported for n in decode.nodes))
+        for fake in fakes:
+            fake.silent = True
+        await asyncio.sleep(1.0)
+        assert all(n.healthy for n in decode.nodes)
+        for fake in fakes:
+            fake.speak()
+    finally:
+        await decode.stop_watching()
