@@ -12,7 +12,9 @@ prefill), below 1 the decode pool is.
 
 The same question in calibrated cost (`pdserve_pool_balance_cost_ratio`), each node's steps priced
 by its step-time model (pdserve.roofline.stepmodel), as the share of its budget its work uses:
-- a prefill (or colocated) node: predicted step seconds per second — its compute time;
+- a prefill (or colocated) node: predicted step seconds per second — its compute time (1 while
+  it has requests in flight and no step ended in the window: a step longer than the window, as a
+  long prompt on a slow CPU takes, is running);
 - a decode node: its predicted mean step time ÷ the TPOT target (`router.tpot_target_s`), or
   its batch slots and KV cache if fuller — a decode node is short of capacity when its steps
   approach the time each token may take or it has no room for more streams, not when it is busy
@@ -104,7 +106,14 @@ def cost_pressure(
         steps = times[1] / tpot_target_s if times else 0.0
         room = max(stats.kv_cache_usage, stats.running / slots) if stats else 0.0
         return max(steps, room) + queue
-    return (window.predicted_busy if window else 0.0) + queue
+    busy = window.predicted_busy if window else 0.0
+    if (
+        stats
+        and stats.requests_started_total > stats.requests_finished_total
+        and not (window and window.steps)
+    ):
+        busy = 1.0  # work in flight and no step ended in the window: one step outlasts it
+    return busy + queue
 
 
 def pool_load(loads: Iterable[float]) -> float | None:

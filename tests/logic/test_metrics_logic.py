@@ -231,3 +231,16 @@ def test_a_buffered_timer_observes_only_the_run_that_served_the_request(monkeypa
     assert value("pdserve_inter_token_latency_seconds_count") == 1
     assert value("pdserve_inter_token_latency_seconds_sum") == pytest.approx(0.5)
     assert value("pdserve_e2e_request_latency_seconds_count") == 1
+
+
+def test_a_prefill_node_inside_a_step_longer_than_the_window_reads_busy_not_idle():
+    from pdserve.engine.types import NodeStats
+    from router.metrics.balance import Window, cost_pressure
+
+    quiet = Window(seconds=3, flops=0, bytes=0, busy=0, prompt_busy=0, predicted_busy=0, steps=0)
+    working = NodeStats(requests_started_total=5, requests_finished_total=4, max_num_seqs=64)
+    idle = NodeStats(requests_started_total=5, requests_finished_total=5, max_num_seqs=64)
+    assert cost_pressure("prefill", quiet, 0.1, working) == 1.0
+    assert cost_pressure("prefill", quiet, 0.1, idle) == 0.0
+    stepping = Window(3, 0, 0, 0.4, 0.4, predicted_busy=0.4, steps=2)
+    assert cost_pressure("prefill", stepping, 0.1, working) == 0.4  # steps say how busy
