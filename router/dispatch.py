@@ -91,6 +91,8 @@ class Disaggregated:
 
     async def deltas(self, prepared: PreparedRequest, deadline: float) -> AsyncIterator[TokenDelta]:
         rid, prompt = prepared.request_id, prepared.prompt_token_ids
+        leg_id = prepared.internal_id
+        logger.debug("%s: its legs run as %s", rid, leg_id)
         params = prepared.sampling_params
         no_decode = not self.decode.healthy_nodes()
         if (params.max_tokens == 1 or no_decode) and self.prefill.healthy_nodes():
@@ -134,7 +136,7 @@ class Disaggregated:
         leg = self.decode.stream(
             decode_node,
             "decode",
-            f"{rid}-d",
+            f"{leg_id}-d",
             prompt,
             params,
             first_tokens,
@@ -170,7 +172,7 @@ class Disaggregated:
         leg = self.prefill.stream(
             self.prefill.pick(),
             "prefill",
-            f"{prepared.request_id}-p",
+            f"{prepared.internal_id}-p",
             prepared.prompt_token_ids,
             params,
             sample_first,
@@ -205,7 +207,7 @@ async def _relay(
     leg = pool.stream(
         node,
         method,
-        prepared.request_id,
+        prepared.internal_id,
         prepared.prompt_token_ids,
         prepared.sampling_params,
         deadline=deadline,

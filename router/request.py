@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ class ResponseShape:
 @dataclass
 class PreparedRequest:
     request_id: str
+    """The response's id (`cmpl-…` / `chatcmpl-…`; a client's `request_id` field goes here) and
+    what the router's logs name the request by. Never sent to a node."""
     kind: str
     """"completion" or "chat": which response shape the edge builds."""
     prompt_token_ids: list[int]
@@ -41,3 +44,7 @@ class PreparedRequest:
     stream: bool
     shape: ResponseShape = field(default_factory=ResponseShape)
     arrival: float = field(default_factory=time.monotonic)
+    internal_id: str = field(default_factory=lambda: f"pds-{uuid.uuid4().hex}")
+    """pdserve's own id for the request on the nodes: its legs' vLLM request ids, so the KV
+    handle's and the lease's. Made here, never from a client's field: a client's id may be long,
+    repeated by another client or crafted."""

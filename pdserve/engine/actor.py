@@ -28,6 +28,7 @@ import ray
 from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, RequestRejected, TokenDelta
+from pdserve.kv.stats import KVGauges
 from pdserve.roofline.live import resolve_peaks
 from pdserve.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
 
@@ -265,6 +266,12 @@ class EngineActor:
 
     def _drop_engine(self) -> None:
         engine, self._engine = self._engine, None
+        # what the dead engine last reported (its queue, its cache, the KV it held for decode
+        # nodes) died with it; a new engine reports only once it steps, maybe never while idle
+        stats = self._stats
+        stats.running = stats.waiting = 0
+        stats.kv_cache_usage = 0.0
+        stats.kv.gauges = KVGauges()
         try:
             engine.shutdown()
         except Exception as error:  # it is dead already; its processes are reaped with it

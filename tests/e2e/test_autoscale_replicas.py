@@ -33,7 +33,6 @@ def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling
     server = scaling
     assert _pools(server) == {"prefill": ["pdserve-prefill-0"], "decode": ["pdserve-decode-0"]}
     added = r'pdserve_autoscale_decisions_total\{action="add_prefill",reason="added"\}'
-    removed = r'pdserve_autoscale_decisions_total\{action="remove_prefill",reason="removed"\}'
     routed = r'pdserve_routing_decisions_total\{node="pdserve-prefill-1",pool="prefill"\}'
     # until the new node has started, joined and taken prefill legs
     answers, failures = load_until(server, lambda: _metric(server, routed) >= 2, ADD_DEADLINE_S)
@@ -45,13 +44,18 @@ def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling
     assert not failures, failures[:3]
     assert answers and all(a["usage"]["completion_tokens"] == 2 for a in answers)
 
-    deadline = time.monotonic() + REMOVE_DEADLINE_S  # idle now: the extra node goes
-    while time.monotonic() < deadline and len(_pools(server)["prefill"]) > 1:
+    # idle now: the cluster gives a node back. Which one depends on the tail of the load: the
+    # extra prefill node goes, or (the decode pool still busy when prefill went quiet) it first
+    # moves to the decode pool and the lighter decode node goes; either way back to two nodes.
+    deadline = time.monotonic() + REMOVE_DEADLINE_S
+    while time.monotonic() < deadline and sum(map(len, _pools(server).values())) > 2:
         time.sleep(0.5)
-    assert len(_pools(server)["prefill"]) == 1, _pools(server)
-    assert _metric(server, removed) >= 1
+    pools = _pools(server)
+    assert [len(pools["prefill"]), len(pools["decode"])] == [1, 1], pools
+    removed = r'pdserve_autoscale_decisions_total\{action="remove_%s",reason="removed"\}'
+    assert _metric(server, removed % "prefill") + _metric(server, removed % "decode") >= 1
     while time.monotonic() < deadline and "drained and stopped" not in server.log.read_text():
         time.sleep(0.5)
-    assert re.search(r"autoscale: pdserve-prefill-\d drained and stopped", server.log.read_text())
+    assert re.search(r"autoscale: pdserve-\w+-\d drained and stopped", server.log.read_text())
     answer = _ask(server, random.Random(7), max_tokens=4)  # the cluster still serves
     assert answer["usage"]["completion_tokens"] == 4

@@ -132,6 +132,33 @@ def test_max_tokens_one_is_served_by_the_prefill_node_alone(client, server):
     assert (routed("prefill"), routed("decode")) == (prefill + 2, decode + 1)
 
 
+def test_a_clients_request_id_names_the_response_only(server):
+    """Two clients send the same long `request_id` at once: each gets its answer under that id
+    (as vLLM answers), and both prompts cross the seam: the nodes ran them under pdserve's own
+    ids, so no KV handle was refused for its id and no prompt was computed twice."""
+
+    def count(name: str, **labels: str) -> float:
+        return metric(server, name, pool="decode", node="pdserve-decode-0", **labels)
+
+    transferred = count("pdserve_node_prompt_tokens_total", source="transferred")
+    bad = count("pdserve_kv_transfer_failures_total", reason="bad_handle")
+    client_id = "client-" + "r" * 600
+
+    def ask(which: int) -> httpx.Response:
+        prompt = [2000 + 50 * which + i for i in range(24)]  # distinct: no prefix cache hits
+        body = {"prompt": prompt, "max_tokens": 4, "request_id": client_id}
+        return httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, range(2)))
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:200] for a in answers]
+    assert [a.json()["id"] for a in answers] == [f"cmpl-{client_id}"] * 2
+    assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
+    assert count("pdserve_kv_transfer_failures_total", reason="bad_handle") == bad
+    # each decode leg loaded its prompt's KV (23 of 24 tokens; the last one it computes)
+    assert count("pdserve_node_prompt_tokens_total", source="transferred") >= transferred + 2 * 16
+
+
 def test_greedy_output_equals_plain_vllm(client, server, default_model_dir, tmp_path):
     assert_greedy_matches_plain_vllm(client, server.model, default_model_dir, tmp_path, "float32")
 

@@ -62,6 +62,22 @@ async def test_the_seam_prefill_gives_the_first_token_decode_the_rest():
     assert first_tokens == [100] and handle == {"node": "p0", "request": prefill.request_id}
 
 
+async def test_nodes_see_pdserves_own_ids_never_the_clients():
+    """Two requests that carry the same client id (and a long one): each leg runs under an id the
+    router made, unique per request, short enough for any KV handle."""
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    client_id = "cmpl-" + "x" * 600
+    first, second = prepared(max_tokens=3), prepared(max_tokens=3)
+    first.request_id = second.request_id = client_id
+    await collect(dispatcher, first)
+    await collect(dispatcher, second)
+    ids = [call.request_id for node in (p, d) for call in node.calls]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    assert all("x" * 8 not in rid and len(rid) < 64 for rid in ids), ids
+    assert {rid[:-2] for rid in ids} == {first.internal_id, second.internal_id}
+
+
 async def test_one_token_is_the_prefill_nodes_alone():
     p, d = FakeNode("p0"), FakeNode("d0")
     dispatcher = disaggregated([p], [d])

@@ -244,3 +244,22 @@ def test_a_prefill_node_inside_a_step_longer_than_the_window_reads_busy_not_idle
     assert cost_pressure("prefill", quiet, 0.1, idle) == 0.0
     stepping = Window(3, 0, 0, 0.4, 0.4, predicted_busy=0.4, steps=2)
     assert cost_pressure("prefill", stepping, 0.1, working) == 0.4  # steps say how busy
+
+
+def test_a_dead_engines_gauges_go_with_it():
+    """A node whose engine died reports no queue, no cache use and no KV held until its new
+    engine steps (an idle new engine may never step: the dead one's last gauges would stay)."""
+    from pdserve.engine.actor import EngineActor
+    from pdserve.kv.stats import KVGauges
+
+    actor = EngineActor("pdserve-prefill-0", {})
+    actor._engine = SimpleNamespace(shutdown=lambda: None)
+    stats = actor._stats
+    stats.running, stats.waiting, stats.kv_cache_usage = 2, 1, 0.3
+    stats.kv.gauges = KVGauges(in_flight=1, blocks_held=4, requests_held=1)
+    stats.kv.counters.releases = 5
+    actor._drop_engine()
+    assert actor._engine is None
+    assert (stats.running, stats.waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert stats.kv.gauges == KVGauges()
+    assert stats.kv.counters.releases == 5  # totals stay: they count what happened
