@@ -217,6 +217,9 @@ class RouterConfig(_Strict):
     """How a node is chosen in each pool (see router/policies.py)."""
     max_attempts: int = Field(3, ge=1)
     """Times a request may run when nodes fail under it, resumes included (router/retry.py)."""
+    max_engine_deaths: int = Field(2, ge=1)
+    """A request present at this many engine deaths (its node's engine or actor died while
+    running it) ends with an error instead of running again: it may be what kills them."""
     stream_resume: bool = True
     """Continue a stream whose node failed mid-way on another node, from the tokens already
     sent (sampling without state only); off: such a stream ends with an explicit error."""

@@ -361,7 +361,11 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             dispatcher,
             metrics,
             admission,
-            RetryPolicy(config.router.max_attempts, config.router.stream_resume),
+            RetryPolicy(
+                config.router.max_attempts,
+                config.router.stream_resume,
+                config.router.max_engine_deaths,
+            ),
             config.router.request_timeout_s,
         )
         metrics.in_flight.set_function(lambda: admission.outstanding)

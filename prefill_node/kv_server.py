@@ -8,9 +8,12 @@ One connection serves one pull, in the order of proto/pdserve/v1/kv_transfer.pro
    arrives before the worker heard of the request carries the scheduler's signed lease.
 4. PullReply with the byte count, then the bytes through the data plane (TCP or NCCL), then the
    consumer's PullDone: only a completed pull lets the blocks go.
-Every connection holds one of `MAX_CONNECTIONS` slots and has deadlines: `AUTH_DEADLINE_S` to
-prove the secret (reading nothing larger than an answer needs), `CONTROL_DEADLINE_S` for the
-whole conversation before the bytes; a peer that sends slowly loses its slot.
+Every connection has deadlines: `AUTH_DEADLINE_S` to prove the secret (reading nothing larger
+than an answer needs), `CONTROL_DEADLINE_S` for the whole conversation before the bytes; a peer
+that sends slowly loses its connection. Until it has proven the secret a connection holds one of
+`MAX_UNPROVEN` places, at most `MAX_UNPROVEN_PER_PEER` of them per peer address, so one host that
+can reach the port cannot take every place by connecting and saying nothing; a proven connection
+then holds one of `MAX_PULLS` pull slots.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ CLAIM_WAIT_S = 5.0
 AUTH_DEADLINE_S = 3.0
 CONTROL_DEADLINE_S = 10.0
 SEND_TIMEOUT_S = 60.0
-MAX_CONNECTIONS = 64
+MAX_PULLS = 64
+"""Pulls served at once (connections past authentication)."""
+MAX_UNPROVEN = 128
+"""Connections that have not yet proven the secret, all peers together."""
+MAX_UNPROVEN_PER_PEER = 32
+"""... and from one peer address: above what one host's decode workers open at once (4 pull
+threads per worker, 8 workers)."""
+REFUSAL_LOG_EVERY_S = 10.0
 
 _REFUSAL = {
     "unknown_request": pb.PullReply.UNKNOWN_REQUEST,
@@ -82,14 +92,19 @@ class KVServer:
         self._secret = secret
         self.host, self.port = host, port
         self._server: socket.socket | None = None
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._slots = threading.BoundedSemaphore(MAX_PULLS)
+        self._unproven: dict[str, int] = {}
+        """Peer address -> its connections that have not proven the secret yet."""
+        self._refused: dict[str, int] = {}
+        """Peer address -> connections refused since its last log line."""
+        self._refusal_logged = 0.0
         self._closed = threading.Event()
         self._active: set[socket.socket] = set()
         self._active_lock = threading.Lock()
 
     def start(self) -> int:
         """Listen for pulls on host:port (0 picks a port); returns the bound port."""
-        self._server = socket.create_server((self.host, self.port), backlog=MAX_CONNECTIONS)
+        self._server = socket.create_server((self.host, self.port), backlog=MAX_PULLS)
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="pdserve-kv-server", daemon=True).start()
         logger.info("KV server (%s) listening on %s:%d", self.plane.name, self.host, self.port)
@@ -113,9 +128,16 @@ class KVServer:
                 conn, peer = self._server.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                logger.warning("KV server: too many connections; refusing %s", peer)
-                conn.close()
+            address = peer[0]
+            with self._active_lock:
+                crowded = (
+                    sum(self._unproven.values()) >= MAX_UNPROVEN
+                    or self._unproven.get(address, 0) >= MAX_UNPROVEN_PER_PEER
+                )
+                if not crowded:
+                    self._unproven[address] = self._unproven.get(address, 0) + 1
+            if crowded:
+                self._refuse(conn, address, "unproven connections")
                 continue
             threading.Thread(
                 target=self._serve_connection,
@@ -124,14 +146,38 @@ class KVServer:
                 daemon=True,
             ).start()
 
+    def _refuse(self, conn: socket.socket, address: str, why: str) -> None:
+        """Close at once; one log line per `REFUSAL_LOG_EVERY_S` however fast a flood comes."""
+        conn.close()
+        now = time.monotonic()
+        with self._active_lock:
+            self._refused[address] = self._refused.get(address, 0) + 1
+            if now - self._refusal_logged < REFUSAL_LOG_EVERY_S:
+                return
+            refused, self._refused, self._refusal_logged = self._refused, {}, now
+        logger.warning("KV server: too many %s; refused %s", why, refused)
+
+    def _proven(self, address: str) -> None:
+        with self._active_lock:
+            left = self._unproven.pop(address) - 1
+            if left:
+                self._unproven[address] = left
+
     def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
         with self._active_lock:
             self._active.add(conn)
+        address, unproven, slot = peer[0], True, False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             started = time.monotonic()
             _within(conn, started + AUTH_DEADLINE_S)
             self._authenticate_peer(conn, started + AUTH_DEADLINE_S)
+            self._proven(address)
+            unproven = False
+            slot = self._slots.acquire(blocking=False)
+            if not slot:
+                self._refuse(conn, address, "pulls at once")
+                return
             deadline = started + CONTROL_DEADLINE_S
             _within(conn, deadline)
             handshake = recv_message(conn, pb.Handshake)
@@ -152,7 +198,10 @@ class KVServer:
             with self._active_lock:
                 self._active.discard(conn)
             conn.close()
-            self._slots.release()
+            if unproven:
+                self._proven(address)
+            if slot:
+                self._slots.release()
 
     def _authenticate_peer(self, conn: socket.socket, deadline: float) -> None:
         nonce = new_nonce()

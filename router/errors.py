@@ -77,11 +77,14 @@ class EngineFailed(RequestError):
 
 class NodeFailed(EngineFailed):
     """The node died or became unreachable while serving (router/retry.py may run the request
-    again); `pool` names the pool it belonged to, once the pool has seen it."""
+    again); `pool` names the pool it belonged to, once the pool has seen it. `died`: its engine
+    or its actor died while running the request, which may be what killed it (unreachable or
+    silent nodes are not counted so)."""
 
-    def __init__(self, message: str, pool: str | None = None) -> None:
+    def __init__(self, message: str, pool: str | None = None, died: bool = False) -> None:
         super().__init__(message)
         self.pool = pool
+        self.died = died
 
 
 class KVTransferFailed(EngineFailed):

@@ -143,7 +143,9 @@ class Pool:
         except NodeFailed as error:
             self.mark_failed(node, error.message)
             raise NodeFailed(
-                f"{self.name} node {node.name} failed: {error.message}", pool=self.name
+                f"{self.name} node {node.name} failed: {error.message}",
+                pool=self.name,
+                died=error.died,
             ) from None
         finally:
             node.outstanding -= 1

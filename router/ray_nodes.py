@@ -38,9 +38,9 @@ class RayNodeClient(NodeClient):
                 finished = delta.finish_reason is not None
                 yield delta
         except NODE_FAILURES as error:
-            raise NodeFailed(type(error).__name__) from None
+            raise NodeFailed(type(error).__name__, died=isinstance(error, ActorDiedError)) from None
         except EngineDown as error:
-            raise NodeFailed(error.message) from None
+            raise NodeFailed(error.message, died=True) from None
         finally:
             if not finished:
                 ray.cancel(call)

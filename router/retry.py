@@ -14,6 +14,11 @@
   uninterrupted run. Only requests whose sampling keeps no state beyond the token ids can
   continue (router/seam.py, `resumable`); the others end with an explicit error.
 - **How often**: at most `router.max_attempts` runs in all (default 3), resumes included.
+- **Poison**: a request that was running on an engine when it died may be what killed it. A
+  request whose runs saw `router.max_engine_deaths` engines die under them (default 2: the
+  first death is given the benefit of the doubt) is not run again: it ends with an explicit
+  error, so one bad request takes down at most that many engines, not one per attempt. Nodes
+  that became unreachable or fell silent (a host or link down) do not count.
 - **Counted**: `pdserve_request_retries_total{pool}` and `pdserve_stream_resumes_total{pool}`,
   labelled with the pool whose node failed; a request's latencies are observed once.
 - **Not retried**: bad input, a deadline, a KV transfer that failed under the `fail` policy.
@@ -29,7 +34,7 @@ from typing import Any
 
 from pdserve.engine.types import TokenDelta
 from router import seam
-from router.errors import NodeFailed
+from router.errors import EngineFailed, NodeFailed
 from router.request import PreparedRequest
 
 logger = logging.getLogger(__name__)
@@ -41,6 +46,12 @@ class RetryPolicy:
     """Runs a request may take in all (`router.max_attempts`)."""
     resume: bool = True
     """Continue cut streams from the tokens sent (`router.stream_resume`)."""
+    max_engine_deaths: int = 2
+    """Engine deaths a request may be present at before it is refused, not run again
+    (`router.max_engine_deaths`)."""
+
+    def poisonous(self, deaths: int) -> bool:
+        return deaths >= self.max_engine_deaths
 
     def retries(self, error: Exception, attempt: int, reached_client: bool) -> bool:
         """Whether run `attempt` (1-based), which ended in `error`, is followed by another."""
@@ -71,7 +82,7 @@ async def runs(
 ) -> AsyncIterator[TokenDelta | object]:
     """The request's deltas under `policy`. Non-streamed, `RESTART` tells the caller to drop
     what it collected so far; streamed, a cut run continues where it was cut, or ends."""
-    attempt, current, sent, done = 0, prepared, [], None
+    attempt, current, sent, done, deaths = 0, prepared, [], None, 0
     while True:
         attempt += 1
         try:
@@ -90,6 +101,17 @@ async def runs(
         except NodeFailed as error:
             if sent and done is not None:
                 return  # the last token was out: the node failed on its way down
+            deaths += error.died
+            if policy.poisonous(deaths):
+                logger.error(
+                    "%s: %d engines died while running it; not run again (%s)",
+                    prepared.request_id,
+                    deaths,
+                    error.message,
+                )
+                raise EngineFailed(
+                    f"{deaths} engines died while running this request; it is not run again"
+                ) from None
             if sent and policy.resumes(error, attempt, prepared):
                 on_resume(error)
                 logger.warning(

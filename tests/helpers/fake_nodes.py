@@ -44,6 +44,8 @@ class FakeNode(NodeClient):
     name: str
     die_after: int | None = None
     silent_after: int | None = None
+    unreachable_after: int | None = None
+    """After this many deltas the actor cannot be reached (Ray's ActorUnavailableError)."""
     kv_failure: bool = False
     delay_s: float = 0.0
     first_finishes: bool = False
@@ -92,7 +94,10 @@ class FakeNode(NodeClient):
             for index, delta in enumerate(plan):
                 if self.die_after is not None and index >= self.die_after:
                     self.die_after, self.healthy = None, False
-                    raise NodeFailed("ActorDiedError")
+                    raise NodeFailed("ActorDiedError", died=True)
+                if self.unreachable_after is not None and index >= self.unreachable_after:
+                    self.unreachable_after, self.healthy = None, False
+                    raise NodeFailed("ActorUnavailableError")
                 if self.silent_after is not None and index >= self.silent_after:
                     self.silent_after, self.silent = None, True
                 await self._hang_while_silent()

@@ -12,6 +12,7 @@ from router import seam
 from router.admission import Admission
 from router.errors import (
     DeadlineExceeded,
+    EngineFailed,
     InvalidRequest,
     KVTransferFailed,
     NodeFailed,
@@ -197,9 +198,31 @@ async def test_attempts_are_bounded_across_every_layer():
     nodes = [FakeNode(f"d{i}", die_after=0) for i in range(5)]
     dispatcher = colocated(*nodes)
     retried = []
+    policy = RetryPolicy(3, max_engine_deaths=10)  # not the poison rule: the attempts bound
     with pytest.raises(NodeFailed):
-        await collect(dispatcher, prepared(stream=False), RetryPolicy(3), retried)
+        await collect(dispatcher, prepared(stream=False), policy, retried)
     assert sum(len(n.calls) for n in nodes) == 3 and len(retried) == 2
+
+
+async def test_a_request_two_engines_died_under_is_not_run_a_third_time():
+    """It may be what kills them: after the second death it ends with an explicit error, and
+    the third node never sees it. A stream cut once still continues."""
+    nodes = [FakeNode(f"d{i}", die_after=1) for i in range(3)]
+    retried = []
+    with pytest.raises(EngineFailed, match="2 engines died while running this request"):
+        await collect(colocated(*nodes), prepared(stream=False), RetryPolicy(3), retried)
+    assert sorted(len(n.calls) for n in nodes) == [0, 1, 1] and len(retried) == 1
+    got = await collect(colocated(FakeNode("e0", die_after=1), FakeNode("e1")), prepared())
+    assert tokens(got) == [100, 101, 102, 103, 104]
+
+
+async def test_unreachable_nodes_are_not_counted_as_deaths_it_caused():
+    """A node that could not be reached (host or link down) says nothing about the request."""
+    nodes = [FakeNode(f"d{i}", unreachable_after=1) for i in range(3)]
+    policy = RetryPolicy(3, max_engine_deaths=1)
+    with pytest.raises(NodeFailed, match="ActorUnavailableError"):  # the attempts ran out
+        await collect(colocated(*nodes), prepared(stream=False), policy)
+    assert [len(n.calls) for n in nodes] == [1, 1, 1]
 
 
 async def test_a_failed_kv_pull_under_fail_is_an_explicit_error_not_a_retry():

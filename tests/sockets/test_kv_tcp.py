@@ -291,6 +291,31 @@ def test_a_peer_that_never_proves_itself_loses_its_slot(producer, monkeypatch):
         assert time.monotonic() - started < 5
 
 
+def test_a_flood_from_one_peer_does_not_fail_another_peers_pulls(producer, caplog):
+    """A host that can reach the KV port connects again and again and says nothing: it holds at
+    most its own share of places; a decode worker on another address still pulls."""
+    src, table, _, port = producer
+    flood = []
+    try:
+        for _ in range(kv_server.MAX_PULLS + 40):  # more than every pull slot
+            raw = socket.socket()
+            raw.bind(("127.0.0.2", 0))  # another host of the loopback network
+            raw.settimeout(10)
+            raw.connect(("127.0.0.1", port))
+            flood.append(raw)
+        open_ = [raw for raw in flood if raw.recv(4096)]  # a challenge, or closed at once
+        assert len(open_) == kv_server.MAX_UNPROVEN_PER_PEER
+        dst, client = consumer()
+        table.offer("req-f", [1, 2], time.time() + 30)
+        client.pull(handle(port, "req-f", [1, 2]), [1, 2], [3, 4], 0, time.monotonic() + 10)
+        for name in src:
+            assert torch.equal(dst[name][[3, 4]], src[name][[1, 2]])
+    finally:
+        for raw in flood:
+            raw.close()
+    assert "too many unproven connections; refused {'127.0.0.2': 1}" in caplog.text
+
+
 def test_an_oversized_frame_before_authentication_is_refused_unread(producer):
     _, _, _, port = producer
     with socket.create_connection(("127.0.0.1", port)) as raw:
