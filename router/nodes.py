@@ -66,6 +66,10 @@ class Node:
     reported: bool = False
     """Whether the node has reported stats yet."""
     restarting: bool = False
+    failed_starts: int = 0
+    """Engine builds that failed in a row (the next waits longer: router/pools.py)."""
+    next_start: float = 0.0
+    """Monotonic time before which no new engine build is tried."""
     missed_checks: int = 0
     last_heard: float = field(default_factory=time.monotonic)
     """When the node last answered (a delta on any of its streams, or a health check): a node

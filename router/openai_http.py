@@ -45,6 +45,9 @@ def _error_response(error: RequestError) -> JSONResponse:
 
 
 DISCONNECT_POLL_S = 0.5
+NODE_ANSWER_S = 10.0
+"""How long an admin endpoint that asks every node waits for them (all at once): a node that
+has not answered by then is named in the reply, not waited on."""
 """How often a non-streamed request checks that its client is still there."""
 
 
@@ -115,8 +118,14 @@ def _node_view(node) -> dict:
 def create_app(
     service: RouterService, api_key: str | None = None, max_request_bytes: int = 4 << 20
 ) -> FastAPI:
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
     dispatcher = service.dispatcher
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        """The API's schema, behind the key like every path but the bare health check."""
+        _check_auth(api_key, request)
+        return JSONResponse(app.openapi())
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, error: RequestError) -> JSONResponse:
@@ -168,15 +177,24 @@ def create_app(
     async def steps(request: Request) -> JSONResponse:
         """Every healthy node's recent engine steps (`pdserve plan calibrate`), behind the key."""
         _check_auth(api_key, request)
-        nodes = []
-        for pool_name, pool in dispatcher.pools.items():
-            for node in pool.healthy_nodes():
-                try:
-                    found = await node.client.step_records(0)
-                except NodeFailed:
-                    continue
-                nodes.append({"pool": pool_name, "node": node.name, "fields": STEP_FIELDS, **found})
-        return JSONResponse({"nodes": nodes})
+        pools = dispatcher.pools.items()
+        asked = [(name, node) for name, pool in pools for node in pool.healthy_nodes()]
+
+        async def records(node: Any) -> dict[str, Any] | None:
+            try:
+                async with asyncio.timeout(NODE_ANSWER_S):
+                    return await node.client.step_records(0)
+            except (NodeFailed, TimeoutError):
+                return None
+
+        answers = await asyncio.gather(*(records(node) for _, node in asked))
+        nodes, unanswered = [], []
+        for (pool_name, node), found in zip(asked, answers, strict=True):
+            if found is None:
+                unanswered.append(node.name)
+                continue
+            nodes.append({"pool": pool_name, "node": node.name, "fields": STEP_FIELDS, **found})
+        return JSONResponse({"nodes": nodes, "unanswered": unanswered})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

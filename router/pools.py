@@ -10,7 +10,8 @@ deadline, error), which aborts it in vLLM and frees its blocks.
 check in flight per node: a node that does not answer never delays the others). A node that dies
 leaves the pool at once (also when a call sees it die); one that misses checks leaves after
 `MISSED_CHECKS_TO_EVICT` in a row; a node Ray restarted comes back without an engine, is started
-again, and rejoins when healthy.
+again, and rejoins when healthy; a build that fails is tried again after a wait that doubles
+with each failure in a row (`RESTART_BACKOFF_S`).
 
 A node can also fall **silent**: its host's link is cut, or the host is gone without a word, and
 Ray takes tens of seconds to say so. A node that has neither streamed a delta nor answered a
@@ -43,6 +44,9 @@ MISSED_CHECKS_TO_EVICT = 3
 """A node busy enough to miss a health check is not dead: it leaves its pool after this many
 missed checks in a row, or at once when Ray says the actor died."""
 RESTART_TIMEOUT_S = 600.0
+RESTART_BACKOFF_S = (2.0, 300.0)
+"""A node whose engine build failed waits before the next: the first, doubled after each
+failure in a row, at most the second (a model that cannot load is not rebuilt every second)."""
 SILENCE_S = 3.0
 """Default for `router.node_silence_s`: how long a node may say nothing before it is lost."""
 LAG_S = 0.5
@@ -249,6 +253,8 @@ class Pool:
             return
         node.missed_checks = 0
         if not healthy:  # restarted by Ray, or its engine died: the actor is up, no engine
+            if time.monotonic() < node.next_start:
+                return  # its last build failed: waiting before the next
             self.mark_failed(node, "no engine; building one")
             node.restarting = True
             asyncio.get_running_loop().create_task(self._restart(node))
@@ -261,7 +267,21 @@ class Pool:
         logger.warning("%s node %s is back without an engine; starting it", self.name, node.name)
         try:
             node.info = await asyncio.wait_for(node.client.start(), RESTART_TIMEOUT_S)
+            node.failed_starts = 0
         except Exception as error:
+            node.failed_starts += 1
+            first, most = RESTART_BACKOFF_S
+            wait = min(most, first * 2 ** (node.failed_starts - 1))
+            node.next_start = time.monotonic() + wait
             self.mark_failed(node, f"restart: {type(error).__name__}")
+            logger.error(
+                "%s node %s: building its engine failed %d time(s) in a row (%s); next try in "
+                "%.0f s",
+                self.name,
+                node.name,
+                node.failed_starts,
+                error,
+                wait,
+            )
         finally:
             node.restarting = False

@@ -31,6 +31,39 @@ async def test_a_node_whose_engine_died_is_rebuilt_and_rejoins():
     assert node.healthy and decode.healthy_nodes() == [node]
 
 
+async def test_a_build_that_keeps_failing_waits_longer_each_time():
+    """An engine that cannot be built (a model that no longer loads, a device gone) is not
+    rebuilt at every health check: the waits double, and a success resets them."""
+    fake = FakeNode("d0", engine=False)
+    failing = [True]
+
+    async def start():
+        if failing[0]:
+            fake.starts += 1
+            raise RuntimeError("no model")
+        return await FakeNode.start(fake)
+
+    fake.start = start
+    decode = pool("decode", fake)
+    node = decode.nodes[0]
+    waits = []
+    for attempt in range(1, 5):
+        await decode.refresh(node)
+        await settle(node)
+        assert fake.starts == attempt and not node.healthy
+        waits.append(round(node.next_start - time.monotonic()))
+        await decode.refresh(node)  # the next health check: still waiting, no new build
+        await settle(node)
+        assert fake.starts == attempt
+        node.next_start = 0.0  # the wait has passed
+    assert waits == [2, 4, 8, 16]
+    failing[0] = False
+    await decode.refresh(node)
+    await settle(node)
+    await decode.refresh(node)
+    assert node.healthy and node.failed_starts == 0
+
+
 async def test_a_dead_actor_leaves_at_once_and_a_slow_one_after_three_misses():
     fake = FakeNode("d0")
     decode = pool("decode", fake)

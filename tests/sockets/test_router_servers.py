@@ -225,14 +225,34 @@ async def test_metrics_and_detailed_health_need_the_key(router, http):
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as anonymous:
         assert (await anonymous.get("/metrics")).status_code == 401
         assert (await anonymous.get("/pdserve/v1/steps")).status_code == 401
+        assert (await anonymous.get("/openapi.json")).status_code == 401
         bare = await anonymous.get("/health")
         assert bare.status_code == 200 and bare.json() == {"status": "ok"}
     detailed = (await http.get("/health")).json()
     assert set(detailed["pools"]) == {"prefill", "decode"}
     assert (await http.get("/metrics")).status_code == 200
+    assert "/v1/completions" in (await http.get("/openapi.json")).json()["paths"]
     steps = (await http.get("/pdserve/v1/steps")).json()["nodes"]
     assert {n["pool"] for n in steps} == {"prefill", "decode"}  # fake nodes keep no steps
     assert all(n["records"] == [] and n["fields"][-1] == "seconds" for n in steps)
+
+
+async def test_nodes_are_asked_at_once_and_a_silent_one_is_named_not_waited_on(
+    router, http, monkeypatch
+):
+    import router.openai_http as openai_http
+
+    monkeypatch.setattr(openai_http, "NODE_ANSWER_S", 0.5)
+    stuck = router.nodes["p0"]
+
+    async def never(seen=0):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(stuck, "step_records", never)
+    started = time.monotonic()
+    answer = (await http.get("/pdserve/v1/steps")).json()
+    assert time.monotonic() - started < 5
+    assert answer["unanswered"] == ["p0"] and [n["node"] for n in answer["nodes"]] == ["d0"]
 
 
 async def test_grpc_health_follows_the_pools(router):
