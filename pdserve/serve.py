@@ -17,6 +17,7 @@ import secrets
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -232,7 +233,9 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
 class RayNodeFactory:
     """Starts and stops `kv_both` nodes for the autoscaler (router/autoscale.py's NodeFactory),
     within the Ray cluster's free resources; every actor it starts is in `actors` (stopped with
-    the rest at exit)."""
+    the rest at exit). A node takes the lowest replica number of its role and the lowest node
+    index (its KV port is `kv_transfer.port` + index) that no living node holds: a cluster that
+    grows and shrinks all day reuses them instead of counting past the port range."""
 
     def __init__(
         self, config: PDServeConfig, model_dir: Path, served: str, secret: str, actors: list
@@ -240,8 +243,18 @@ class RayNodeFactory:
         self.config, self.model_dir, self.served, self.secret = config, model_dir, served, secret
         self.actors = actors
         pools = config.pools
-        self.next_replica = {"prefill": pools.prefill.replicas, "decode": pools.decode.replicas}
-        self.next_index = pools.prefill.replicas + pools.decode.replicas
+        self.replicas = {
+            "prefill": set(range(pools.prefill.replicas)),
+            "decode": set(range(pools.decode.replicas)),
+        }
+        """Replica numbers held, by role (the pools' own nodes hold the first ones)."""
+        self.indexes = set(range(pools.prefill.replicas + pools.decode.replicas))
+        self.held: dict[Any, tuple[str, int, int]] = {}
+        """Actor -> (role, replica, index) of the nodes started here."""
+
+    @staticmethod
+    def _lowest_free(held: set[int]) -> int:
+        return next(i for i in range(len(held) + 1) if i not in held)
 
     def _needs(self, role: str) -> dict[str, float]:
         pool = getattr(self.config.pools, role)
@@ -257,12 +270,13 @@ class RayNodeFactory:
         from router.nodes import Node
         from router.ray_nodes import RayNodeClient
 
-        replica, index = self.next_replica[role], self.next_index
-        self.next_replica[role] += 1
-        self.next_index += 1
+        replica, index = self._lowest_free(self.replicas[role]), self._lowest_free(self.indexes)
         actor = create_flex_node(
             self.config, str(self.model_dir), self.served, role, replica, self.secret, index
         )
+        self.replicas[role].add(replica)
+        self.indexes.add(index)
+        self.held[actor] = (role, replica, index)
         self.actors.append(actor)
         try:
             info = await asyncio.wait_for(actor.start.remote(), ENGINE_START_TIMEOUT_S)
@@ -283,6 +297,10 @@ class RayNodeFactory:
         ray.kill(actor)
         if actor in self.actors:
             self.actors.remove(actor)
+        if actor in self.held:
+            role, replica, index = self.held.pop(actor)
+            self.replicas[role].discard(replica)
+            self.indexes.discard(index)
 
 
 def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory):

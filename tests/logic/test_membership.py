@@ -200,3 +200,49 @@ async def test_when_every_node_falls_silent_at_once_none_is_taken_for_lost():
             fake.speak()
     finally:
         await decode.stop_watching()
+
+
+async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_left(monkeypatch):
+    """Grow and shrink a hundred times: names and KV port offsets stay within the cluster's
+    size instead of counting up past the port range."""
+    from types import SimpleNamespace
+
+    import pdserve.flex
+    import pdserve.serve as serve
+    from pdserve.config import PDServeConfig
+    from pdserve.engine.types import NodeInfo
+
+    started = []
+
+    def create_flex_node(config, model_dir, served, role, replica, secret, index):
+        name = f"pdserve-{role}-{replica}"
+        started.append((name, index))
+
+        async def start():
+            return NodeInfo(name, 1, "ray-node", 2048, 128, 0.1)
+
+        async def shutdown():
+            return None
+
+        class Actor:  # a handle: hashable, as Ray's are
+            pass
+
+        actor = Actor()
+        actor.start = SimpleNamespace(remote=start)
+        actor.shutdown = SimpleNamespace(remote=shutdown)
+        return actor
+
+    monkeypatch.setattr(pdserve.flex, "create_flex_node", create_flex_node)
+    monkeypatch.setattr(serve.ray, "kill", lambda actor: None)
+    actors = []
+    factory = serve.RayNodeFactory(PDServeConfig(), "/model", "m", "s", actors)
+    for _ in range(100):
+        first = await factory.add("prefill")
+        second = await factory.add("decode")
+        await factory.remove(first)
+        await factory.remove(second)
+    assert {name for name, _ in started} == {"pdserve-prefill-1", "pdserve-decode-1"}
+    assert {index for _, index in started} == {2, 3} and actors == []
+    kept = await factory.add("decode")
+    assert started[-1] == ("pdserve-decode-1", 2)
+    assert kept.name == "pdserve-decode-1"
