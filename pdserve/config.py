@@ -229,6 +229,11 @@ class RouterConfig(_Strict):
     """A node that neither streams nor answers a health check for this long is treated as lost
     (its host or link is down): it leaves its pool and its streams resume on other nodes, without
     waiting tens of seconds for Ray to declare it dead. Health checks run every second."""
+    engine_stall_s: float = Field(300.0, gt=0)
+    """A node whose engine holds requests and has finished no step for this long is stuck (a
+    hung EngineCore that raised nothing): it leaves its pool, its streams go to other nodes, and
+    its engine is rebuilt. Above the longest step the engine can take (on a slow CPU one long
+    prompt chunk can take a minute)."""
     placement: PlacementConfig = PlacementConfig()
     """Disaggregated mode: where each request's prompt is computed."""
     tpot_target_s: float = Field(0.1, gt=0)

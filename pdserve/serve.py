@@ -151,6 +151,7 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
             make_policy(config.router.policy, role=name),
             silence_s=config.router.node_silence_s,
             hearing=hearing,
+            stall_s=config.router.engine_stall_s,
         )
         for name, actors in pools.items()
     }

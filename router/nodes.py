@@ -42,6 +42,11 @@ class NodeClient(ABC):
     async def stats(self) -> NodeStats:
         """The node's current load and running totals."""
 
+    async def drop_engine(self) -> None:
+        """End the node's engine (it is stuck); the node stays up without one, so its next health
+        check says so and the pool builds a new engine."""
+        raise NotImplementedError
+
     async def step_records(self, seen: int = 0) -> dict[str, Any]:
         """The engine's kept per-step records after the first `seen` and what a fit needs
         (`EngineActor.step_records`); a node that keeps none has none."""
@@ -74,6 +79,10 @@ class Node:
     last_heard: float = field(default_factory=time.monotonic)
     """When the node last answered (a delta on any of its streams, or a health check): a node
     silent for longer than the pool's `silence_s` is treated as lost (router/pools.py)."""
+    stuck: bool = False
+    """Its engine holds requests and has stepped not once in the pool's `stall_s`."""
+    steps_seen: tuple[int, float] = (-1, 0.0)
+    """(the engine's step count, when it last changed or the engine had nothing to do)."""
     checking: Any = None
     """The health check in flight, if any (one at a time per node)."""
     history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))

@@ -9,7 +9,9 @@ deadline, error), which aborts it in vLLM and frees its blocks.
 `Pool.watch` keeps membership live: every interval it asks each node for health and stats (one
 check in flight per node: a node that does not answer never delays the others). A node that dies
 leaves the pool at once (also when a call sees it die); one that misses checks leaves after
-`MISSED_CHECKS_TO_EVICT` in a row; a node Ray restarted comes back without an engine, is started
+`MISSED_CHECKS_TO_EVICT` in a row; a node whose engine holds requests and has not stepped for
+`stall_s` is stuck: it leaves, its streams end with `NodeFailed` (and go elsewhere), and its
+engine is ended; a node Ray restarted comes back without an engine, is started
 again, and rejoins when healthy; a build that fails is tried again after a wait that doubles
 with each failure in a row (`RESTART_BACKOFF_S`).
 
@@ -49,6 +51,8 @@ RESTART_BACKOFF_S = (2.0, 300.0)
 failure in a row, at most the second (a model that cannot load is not rebuilt every second)."""
 SILENCE_S = 3.0
 """Default for `router.node_silence_s`: how long a node may say nothing before it is lost."""
+STALL_S = 300.0
+"""Default for `router.engine_stall_s`: how long an engine with requests may go without a step."""
 LAG_S = 0.5
 """A timer that fires this much later than asked means the router's own loop was stalled."""
 
@@ -91,11 +95,13 @@ class Pool:
         policy: RoutingPolicy,
         silence_s: float = SILENCE_S,
         hearing: Hearing | None = None,
+        stall_s: float = STALL_S,
     ) -> None:
         self.name = name
         self.nodes = nodes
         self.policy = policy
         self.silence_s = silence_s
+        self.stall_s = stall_s
         self.hearing = hearing or Hearing()
         self._watcher: asyncio.Task | None = None
         self.on_pick = None
@@ -178,6 +184,8 @@ class Pool:
                     quiet = self.silent_for(node)
                     if quiet and not step.done():
                         raise NodeFailed(f"silent for {quiet:.1f} s (host or link down?)")
+                    if node.stuck and not step.done():  # the request may be what hung it
+                        raise NodeFailed("its engine is stuck", died=True)
             finally:  # leaving early (silence, deadline, the caller gone): stop the read
                 if not step.done():
                     step.cancel()
@@ -236,6 +244,9 @@ class Pool:
                 node.stats = await node.client.stats()
                 node.reported = True
                 node.history.append((time.monotonic(), counters(node.stats)))
+                if healthy and self._stalled(node):
+                    await self._drop_stuck_engine(node)
+                    return
         except NodeFailed as error:  # the actor died or is restarting: out of the pool now
             self.mark_failed(node, f"health check: {error.message}")
             return
@@ -261,7 +272,33 @@ class Pool:
             return
         if not node.healthy:
             logger.info("%s node %s rejoined the pool", self.name, node.name)
-        node.healthy = True
+        node.healthy, node.stuck = True, False
+
+    def _stalled(self, node: Node) -> bool:
+        """Whether the node's engine holds requests and has not stepped for `stall_s`."""
+        stats, now = node.stats, time.monotonic()
+        holds = node.outstanding > 0 or stats.running + stats.waiting > 0
+        steps, since = node.steps_seen
+        if stats.engine_steps_total != steps or not holds:
+            node.steps_seen = (stats.engine_steps_total, now)
+            return False
+        return now - since > self.stall_s
+
+    async def _drop_stuck_engine(self, node: Node) -> None:
+        """Out of the pool, its streams ended (they go elsewhere), its engine ended: the next
+        health check finds no engine and builds one."""
+        stats = node.stats
+        node.stuck = True
+        self.mark_failed(
+            node,
+            f"engine stuck: no step in {time.monotonic() - node.steps_seen[1]:.0f} s with "
+            f"{stats.running} running, {stats.waiting} waiting, {node.outstanding} open here",
+        )
+        try:
+            await node.client.drop_engine()
+        except Exception as error:  # unreachable too: its health checks will say so
+            logger.error("%s node %s: ending its stuck engine: %r", self.name, node.name, error)
+        node.steps_seen = (-1, 0.0)
 
     async def _restart(self, node: Node) -> None:
         logger.warning("%s node %s is back without an engine; starting it", self.name, node.name)

@@ -55,6 +55,9 @@ class RayNodeClient(NodeClient):
     async def stats(self) -> NodeStats:
         return await self._call("stats")
 
+    async def drop_engine(self) -> None:
+        await self._call("drop_engine")
+
     async def step_records(self, seen: int = 0) -> dict[str, Any]:
         return await self._call("step_records", seen)
 

@@ -264,6 +264,13 @@ class EngineActor:
             self._drop_engine()
         return not dead
 
+    async def drop_engine(self) -> None:
+        """The router found the engine stuck (requests held, no step for `router.engine_stall_s`):
+        end it; the next health check reports no engine and the router builds a new one."""
+        if self._engine is not None:
+            logger.error("engine %s is stuck; ending it for a rebuild", self._name)
+            self._drop_engine()
+
     def _drop_engine(self) -> None:
         engine, self._engine = self._engine, None
         # what the dead engine last reported (its queue, its cache, the KV it held for decode

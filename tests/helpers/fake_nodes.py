@@ -55,6 +55,8 @@ class FakeNode(NodeClient):
     engine: bool = True
     """False: the actor lives without an engine (its health check says so; `start` builds one)."""
     starts: int = 0
+    dropped: int = 0
+    """Engines the router ended as stuck."""
     silent: bool = False
     """True: nothing the node says reaches the router (a cut link); calls hang."""
     _heard: asyncio.Event = field(default_factory=asyncio.Event)
@@ -121,6 +123,10 @@ class FakeNode(NodeClient):
         if not self.healthy:
             raise NodeFailed("ActorDiedError")
         return self.engine
+
+    async def drop_engine(self) -> None:
+        self.engine = False
+        self.dropped += 1
 
     async def stats(self) -> NodeStats:
         return NodeStats(max_num_seqs=64)

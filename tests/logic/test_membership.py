@@ -246,3 +246,51 @@ async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_lef
     kept = await factory.add("decode")
     assert started[-1] == ("pdserve-decode-1", 2)
     assert kept.name == "pdserve-decode-1"
+
+
+async def test_a_stuck_engine_is_ended_its_streams_go_elsewhere_and_it_is_rebuilt():
+    """An EngineCore that hangs without raising: the node answers its health checks, holds a
+    request, and its step count stands still. Past `stall_s` it leaves the pool, the stream on it
+    ends as a death (the request may be what hung it), and a new engine is built."""
+    from router.errors import NodeFailed
+    from tests.helpers.fake_nodes import prepared
+
+    fake = FakeNode("d0", delay_s=30)  # its tokens never come
+    decode = pool("decode", fake)
+    decode.stall_s = 0.2
+    node = decode.nodes[0]
+    request = prepared()
+
+    async def run():
+        async for _ in decode.stream(
+            node, "generate", "r", [1, 2], request.sampling_params, deadline=time.monotonic() + 60
+        ):
+            pass
+
+    stream = asyncio.create_task(run())
+    await asyncio.sleep(0.05)
+    await decode.refresh(node)  # its step count, first seen
+    assert node.healthy and not fake.dropped
+    await asyncio.sleep(0.3)
+    await decode.refresh(node)  # the same count, a request held: stuck
+    assert not node.healthy and fake.dropped == 1
+    try:
+        await asyncio.wait_for(stream, 5)
+        raise AssertionError("the stream on a stuck engine did not end")
+    except NodeFailed as error:
+        assert error.died and "stuck" in error.message
+    await decode.refresh(node)  # no engine now: one is built
+    await settle(node)
+    await decode.refresh(node)
+    assert node.healthy and fake.starts == 1 and not node.stuck
+
+
+async def test_an_idle_engine_that_does_not_step_is_not_stuck():
+    fake = FakeNode("d0")
+    decode = pool("decode", fake)
+    decode.stall_s = 0.05
+    node = decode.nodes[0]
+    for _ in range(3):
+        await decode.refresh(node)
+        await asyncio.sleep(0.1)
+    assert node.healthy and not fake.dropped
