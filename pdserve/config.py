@@ -209,6 +209,9 @@ class RouterConfig(_Strict):
     """Deadline for one request, from arrival to its last token."""
     max_outstanding_requests: int = Field(256, gt=0)
     """Requests admitted at once; beyond this the router answers 429 / RESOURCE_EXHAUSTED."""
+    max_n: int = Field(128, ge=1, le=256)
+    """Most sequences one request may ask for (`n`; 400 beyond). Each sequence is a decode leg,
+    and one prefill's KV lease serves at most 256 of them."""
     max_request_bytes: int = Field(4 << 20, gt=0)
     """Largest request body (HTTP: 413 beyond it; gRPC: RESOURCE_EXHAUSTED)."""
     served_model_name: str | None = None

@@ -386,6 +386,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 config.router.max_engine_deaths,
             ),
             config.router.request_timeout_s,
+            config.router.max_n,
         )
         metrics.in_flight.set_function(lambda: admission.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())

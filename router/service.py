@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.engine.types import TokenDelta
 from router.admission import Admission, Slot
-from router.errors import NodeFailed, RequestError
+from router.errors import InvalidRequest, NodeFailed, RequestError
 from router.metrics import RequestTimer, RouterMetrics
 from router.request import PreparedRequest
 from router.retry import RESTART, RetryPolicy, runs
@@ -69,6 +69,10 @@ class Admitted:
     timer: RequestTimer
 
 
+MAX_N = 128
+"""Default for `router.max_n`: sequences one request may ask for (`n`)."""
+
+
 class RouterService:
     def __init__(
         self,
@@ -78,10 +82,12 @@ class RouterService:
         admission: Admission,
         retry: RetryPolicy,
         request_timeout_s: float,
+        max_n: int = MAX_N,
     ) -> None:
         self.frontend, self.dispatcher, self.metrics = frontend, dispatcher, metrics
         self.admission, self.retry = admission, retry
         self.request_timeout_s = request_timeout_s
+        self.max_n = max_n
 
     async def open(self, kind: str, body: Any, api: str) -> Admitted:
         """Admit, validate and tokenize (on a thread: a long prompt must not stall the event loop
@@ -91,6 +97,9 @@ class RouterService:
         try:
             slot = self.admission.admit()
             prepared = await asyncio.to_thread(self.frontend.prepare, kind, body)
+            n = getattr(prepared.sampling_params, "n", 1) or 1
+            if n > self.max_n:  # every sequence is a decode leg reading one prefill's lease
+                raise InvalidRequest(f"n must be at most {self.max_n} (router.max_n), got {n}", "n")
             self.dispatcher.check_available()
         except BaseException as error:
             if slot is not None:

@@ -287,6 +287,16 @@ def outcome(svc: RouterService, kind: str) -> float:
     return value or 0.0
 
 
+async def test_n_above_the_routers_bound_is_refused_and_gives_its_slot_back():
+    """More sequences than one prefill's lease can serve never reach a node."""
+    node = FakeNode("c0")
+    svc = service(colocated(node), prepared(max_tokens=2, stream=False, n=129))
+    with pytest.raises(InvalidRequest, match=r"n must be at most 128 \(router.max_n\), got 129"):
+        await svc.open("completion", {}, "http")
+    assert svc.admission.outstanding == 0 and not node.calls
+    assert outcome(svc, "invalid_request_error") == 1
+
+
 async def test_admission_holds_a_slot_per_request_and_always_gives_it_back():
     svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=3, stream=False))
     first = await svc.open("completion", {}, "http")
