@@ -209,6 +209,14 @@ class RouterConfig(_Strict):
     """Deadline for one request, from arrival to its last token."""
     max_outstanding_requests: int = Field(256, gt=0)
     """Requests admitted at once; beyond this the router answers 429 / RESOURCE_EXHAUSTED."""
+    max_connections: int = Field(4096, gt=0)
+    """HTTP connections and requests in progress at once (503 beyond), and gRPC calls at once
+    (RESOURCE_EXHAUSTED beyond)."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """An HTTP connection that has not sent a request's whole head this long after connecting
+    (or after the request's first byte) is closed."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """An HTTP request whose body has not arrived whole this long after its head gets 408."""
     max_n: int = Field(128, ge=1, le=256)
     """Most sequences one request may ask for (`n`; 400 beyond). Each sequence is a decode leg,
     and one prefill's KV lease serves at most 256 of them."""

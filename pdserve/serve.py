@@ -190,6 +190,7 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
     then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
 
+    from router.connections import uvicorn_config
     from router.grpc_api import create_server, follow_pools
     from router.openai_http import create_app
 
@@ -203,14 +204,15 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
         pool.start_watching()
     if scaler is not None:
         scaler.start()
-    host, key, limit = config.router.host, config.router.api_key, config.router.max_request_bytes
+    router = config.router
+    host, key, limit = router.host, router.api_key, router.max_request_bytes
     grpc_server, grpc_port, grpc_health = await create_server(
-        service, f"{host}:{config.router.grpc_port}", key, limit
+        service, f"{host}:{router.grpc_port}", key, limit, router.max_connections
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
-    app = create_app(service, key, limit)
+    app = create_app(service, key, limit, router.body_timeout_s)
     http = _Server(
-        uvicorn.Config(app, host=host, port=config.router.http_port, log_level="warning")
+        uvicorn_config(app, host, router.http_port, router.max_connections, router.header_timeout_s)
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

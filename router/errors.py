@@ -46,6 +46,14 @@ class PayloadTooLarge(RequestError):
     kind = "request_too_large"
 
 
+class RequestTimeout(RequestError):
+    """The client did not send the request's body in time (`router.body_timeout_s`)."""
+
+    http_status = 408
+    grpc_status = "DEADLINE_EXCEEDED"
+    kind = "request_timeout"
+
+
 class Overloaded(RequestError):
     """Queues are full: retry later (HTTP 429 with Retry-After)."""
 

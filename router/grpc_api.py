@@ -23,6 +23,7 @@ from pdserve.engine.types import TokenDelta
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.auth import authorized
+from router.connections import grpc_options
 from router.errors import InvalidRequest, PoolUnavailable, RequestError, Unauthorized
 from router.service import RouterService
 
@@ -171,9 +172,12 @@ async def create_server(
     address: str,
     api_key: str | None = None,
     max_request_bytes: int = 4 << 20,
+    max_calls: int = 4096,
 ) -> tuple[grpc.aio.Server, int, Any]:
     """Build and start the gRPC server; returns (server, bound port, health servicer)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_request_bytes)])
+    server = grpc.aio.server(
+        options=grpc_options(max_request_bytes), maximum_concurrent_rpcs=max_calls
+    )
     pb_grpc.add_GenerationServicer_to_server(GenerationService(service, api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -30,6 +30,7 @@ from router.errors import (
     PayloadTooLarge,
     PoolUnavailable,
     RequestError,
+    RequestTimeout,
     Unauthorized,
     error_body,
 )
@@ -45,22 +46,31 @@ def _error_response(error: RequestError) -> JSONResponse:
 
 
 DISCONNECT_POLL_S = 0.5
+BODY_TIMEOUT_S = 30.0
+"""Default for `router.body_timeout_s`."""
 NODE_ANSWER_S = 10.0
 """How long an admin endpoint that asks every node waits for them (all at once): a node that
 has not answered by then is named in the reply, not waited on."""
 """How often a non-streamed request checks that its client is still there."""
 
 
-async def _json_body(request: Request, limit: int) -> Any:
-    """The body as JSON, read no further than `limit` bytes."""
+async def _json_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:
+    """The body as JSON, read no further than `limit` bytes and for no longer than
+    `timeout_s`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds {limit}")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(
+            f"request body not received within {timeout_s:g} s (router.body_timeout_s)"
+        ) from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -116,7 +126,10 @@ def _node_view(node) -> dict:
 
 
 def create_app(
-    service: RouterService, api_key: str | None = None, max_request_bytes: int = 4 << 20
+    service: RouterService,
+    api_key: str | None = None,
+    max_request_bytes: int = 4 << 20,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
     dispatcher = service.dispatcher
@@ -208,7 +221,7 @@ def create_app(
         started = time.monotonic()
         try:
             _check_auth(api_key, request)
-            body = await _json_body(request, max_request_bytes)
+            body = await _json_body(request, max_request_bytes, body_timeout_s)
         except RequestError as error:
             service.rejected("http", error)
             raise

@@ -50,14 +50,16 @@ class Router:
 async def router(default_model_dir):
     import uvicorn
 
+    from router.connections import uvicorn_config
+
     nodes = {"p0": FakeNode("p0"), "d0": FakeNode("d0")}
     dispatcher = disaggregated([nodes["p0"]], [nodes["d0"]])
     metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
     metrics.watch(dispatcher)
     frontend = Frontend(str(default_model_dir), "smol", 2048)
     service = RouterService(frontend, dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
-    app = create_app(service, KEY, LIMIT_BYTES)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
+    app = create_app(service, KEY, LIMIT_BYTES, body_timeout_s=SLOW_S)
+    config = uvicorn_config(app, "127.0.0.1", 0, 4096, SLOW_S, log_level="error")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 30
@@ -219,6 +221,43 @@ async def test_hostile_bodies_get_4xx_and_the_router_keeps_serving(http, router)
     assert (await http.post("/v1/completions", content=nested)).status_code == 400
     ok = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+SLOW_S = 1.0
+"""The test router's header and body bounds (`router.header_timeout_s`, `body_timeout_s`)."""
+
+
+async def test_slow_and_idle_connections_are_closed_and_do_not_delay_others(router, http):
+    """Connections that never finish their head are closed at the header bound; a body that
+    stops coming gets 408 at the body bound; a request beside 200 of them is served at once."""
+    from urllib.parse import urlparse
+
+    target = urlparse(router.url)
+    await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})  # warm
+    opened = []
+    for _ in range(200):
+        reader, writer = await asyncio.open_connection(target.hostname, target.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        opened.append((reader, writer))
+    started = time.monotonic()
+    ok = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and time.monotonic() - started < 1.0
+    ends = await asyncio.wait_for(
+        asyncio.gather(*(reader.read() for reader, _ in opened)), SLOW_S + 5
+    )
+    assert ends == [b""] * 200  # each closed by the router, none answered
+    for _, writer in opened:
+        writer.close()
+
+    reader, writer = await asyncio.open_connection(target.hostname, target.port)
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Connection: close\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        '{"prompt"'.encode()
+    )
+    answer = await asyncio.wait_for(reader.read(), SLOW_S + 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"router.body_timeout_s" in answer
 
 
 async def test_metrics_and_detailed_health_need_the_key(router, http):

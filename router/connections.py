@@ -1,0 +1,91 @@
+"""Bounds on the connections the router's faces accept, whatever arrives on them.
+
+HTTP (uvicorn): at most `max_connections` connections and requests in progress (uvicorn's
+`limit_concurrency`; beyond it a new request gets 503 at once); a connection must send a
+request's whole head within `header_timeout_s` of connecting, or of the request's first byte,
+or it is closed (uvicorn has no such bound: a client that opens connections and never finishes
+their headers would keep them for ever); an idle keep-alive connection is closed after
+`KEEP_ALIVE_S`. The body's bound is the app's (`router.body_timeout_s`, router/openai_http.py).
+
+gRPC: at most `max_connections` calls at once (RESOURCE_EXHAUSTED beyond), an idle connection
+closed after `GRPC_IDLE_S`, and keepalive pings from clients limited to one a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+KEEP_ALIVE_S = 5
+GRPC_IDLE_S = 300
+
+
+def _head_deadline_protocol(header_timeout_s: float) -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeadDeadline(HttpToolsProtocol):
+        """httptools' protocol, closing a connection whose request head is late."""
+
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _late(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadline
+
+
+def uvicorn_config(
+    app: Any,
+    host: str,
+    port: int,
+    max_connections: int,
+    header_timeout_s: float,
+    log_level: str = "warning",
+) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=_head_deadline_protocol(header_timeout_s),
+        limit_concurrency=max_connections,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
+
+def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_connection_idle_ms", GRPC_IDLE_S * 1000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 60_000),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
