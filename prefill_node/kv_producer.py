@@ -116,6 +116,12 @@ class ProducerWorker:
         for request_id, spec in offers.items():
             self.table.offer(request_id, spec.block_ids, spec.lease_deadline, spec.readers)
 
+    def give_back(self, request_id: str, lease_deadline: float) -> None:
+        """The router will hand this request's KV to no decode node: free it now, not at the
+        lease's end (`ProducerTable.abandon`)."""
+        self.table.abandon(request_id, lease_deadline)
+        logger.info("KV of %s given back by the router (no decode will read it)", request_id)
+
     def finished_sending(self) -> set[str]:
         """Offers read to the end or expired: vLLM may free their blocks now."""
         done = self.table.collect_done()

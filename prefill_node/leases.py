@@ -14,6 +14,9 @@ notice that comes later for a request already settled is ignored. A settled requ
 remembered until its lease's deadline has passed, so no replayed lease can revive it (after
 the deadline the lease itself is refused).
 `collect_done` hands the finished request ids to vLLM (`finished_sending`), which frees the blocks.
+4. The router may `abandon` an offer nobody will read (its client left between the prefill and
+   the decode leg): it is done at once — freed at the next collection, or when the pull reading
+   it ends. An abandon that outruns the offer is remembered until the offer comes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 
 SETTLED_GRACE_S = 60.0
 """How long past its deadline a settled request is remembered (a late pull hears "expired")."""
+MAX_ABANDONED = 4096
+"""Abandons remembered for offers not yet heard of (each until its lease's deadline)."""
 
 
 class ClaimError(Exception):
@@ -54,6 +59,8 @@ class ProducerTable:
         self._offers: dict[str, _Offer] = {}
         self._settled: dict[str, tuple[bool, float]] = {}
         """Request id -> (its lease expired, its deadline), kept until past the deadline."""
+        self._abandoned: dict[str, float] = {}
+        """Request id -> its lease's deadline, for abandons that came before the offer."""
         self._cond = threading.Condition()
         self.leases_expired = 0
 
@@ -62,8 +69,19 @@ class ProducerTable:
     ) -> None:
         with self._cond:
             if request_id not in self._offers and request_id not in self._settled:
-                self._offers[request_id] = _Offer(tuple(block_ids), deadline, readers)
+                reads = 0 if self._abandoned.pop(request_id, None) is not None else readers
+                self._offers[request_id] = _Offer(tuple(block_ids), deadline, reads)
             self._cond.notify_all()
+
+    def abandon(self, request_id: str, deadline: float) -> None:
+        """Nobody will read this offer: no further pull may claim it, and its blocks go at the
+        next collection (or when a pull reading them now ends)."""
+        with self._cond:
+            offer = self._offers.get(request_id)
+            if offer is not None:
+                offer.reads_left = 0
+            elif request_id not in self._settled and len(self._abandoned) < MAX_ABANDONED:
+                self._abandoned[request_id] = deadline
 
     def claim(
         self,
@@ -121,6 +139,8 @@ class ProducerTable:
             stale = now - SETTLED_GRACE_S
             for rid in [r for r, (_, deadline) in self._settled.items() if deadline < stale]:
                 del self._settled[rid]
+            for rid in [r for r, deadline in self._abandoned.items() if deadline < now]:
+                del self._abandoned[rid]
             return done
 
     def blocks_held(self) -> int:

@@ -63,6 +63,20 @@ class PrefillNode(EngineActor):
         async for delta in self._run(request_id, prompt_token_ids, params):
             yield delta
 
+    async def give_back(self, handle: dict[str, Any]) -> bool:
+        """The router will hand this prefill's KV (`handle`, as `prefill` returned it) to no
+        decode node — its client left between the legs: free the blocks now rather than when
+        the lease ends. False when there was nothing to free here."""
+        request_id, deadline = handle.get("remote_request_id"), handle.get("lease_deadline")
+        if self._engine is None or not isinstance(request_id, str):
+            return False
+        if not isinstance(deadline, (int, float)):
+            return False
+        freed = await self._engine.collective_rpc(
+            "pdserve_give_back", args=(request_id, float(deadline))
+        )
+        return any(freed)
+
 
 def create_prefill_node(
     config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str

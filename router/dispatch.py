@@ -24,6 +24,7 @@ prefill node does. 503 only when neither pool has a healthy node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -72,6 +73,8 @@ class Disaggregated:
         self.pools = {prefill.name: prefill, decode.name: decode}
         self.prefill_fallback = prefill_fallback
         self.placement = placement or Placement("remote")
+        self._giving_back: set[asyncio.Task] = set()
+        """KV being given back to prefill nodes (kept: a task nobody holds may be collected)."""
         self.on_fallback = on_fallback
         """Called once per request the decode node prefills for itself (a metric)."""
         self.on_degraded = None
@@ -125,25 +128,27 @@ class Disaggregated:
                 yield delta
             return
         sample_first = placement == seam.FIRST_ON_PREFILL
-        first = await self._prefill(prepared, deadline, sample_first)
+        prefill_node, first = await self._prefill(prepared, deadline, sample_first)
         handed_over = time.monotonic()
         first_tokens: list[int] = []
-        if sample_first:
-            yield replace(first, handle=None)
-            if first.finish_reason == "stop":
-                return  # EOS or a stop token at the first token (the lease frees the KV)
-            first_tokens = first.token_ids
-        leg = self.decode.stream(
-            decode_node,
-            "decode",
-            f"{leg_id}-d",
-            prompt,
-            params,
-            first_tokens,
-            first.handle,
-            deadline=deadline,
-        )
+        ended = False  # the decode leg ran to its end (it read the KV, or had none to read)
         try:
+            if sample_first:
+                yield replace(first, handle=None)
+                if first.finish_reason == "stop":
+                    ended = True
+                    return  # EOS or a stop token at the first token: no KV was kept
+                first_tokens = first.token_ids
+            leg = self.decode.stream(
+                decode_node,
+                "decode",
+                f"{leg_id}-d",
+                prompt,
+                params,
+                first_tokens,
+                first.handle,
+                deadline=deadline,
+            )
             async with aclosing(leg):
                 async for delta in leg:
                     if handed_over is not None and delta.token_ids:
@@ -154,8 +159,20 @@ class Disaggregated:
                         cached = None if sample_first else first.num_cached_tokens
                         delta = replace(delta, num_cached_tokens=cached)
                     yield delta
+            ended = True
         except KVLoadFailed as error:
             raise KVTransferFailed(str(error)) from None
+        finally:
+            if not ended and first.handle is not None:
+                # the client left, the decode node failed, or its pull did: whatever the decode
+                # leg did not read by now, nobody will. The prefill node frees it at once, not
+                # at the lease's end (blocks being read go when the read ends).
+                self._give_back(prefill_node, first.handle)
+
+    def _give_back(self, node: Node, handle: Any) -> None:
+        task = asyncio.get_running_loop().create_task(self.prefill.give_back(node, handle))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
 
     def _handover(self, seconds: float) -> None:
         self.placement.observe_handover(seconds)
@@ -164,13 +181,14 @@ class Disaggregated:
 
     async def _prefill(
         self, prepared: PreparedRequest, deadline: float, sample_first: bool
-    ) -> TokenDelta:
+    ) -> tuple[Node, TokenDelta]:
         """Run the prefill leg to its end and fold its deltas into one: the first token (when
-        `sample_first`) and the handle for the decode leg(s)."""
+        `sample_first`) and the handle for the decode leg(s); with the node that ran it."""
         tokens, text, logprobs, first, last = [], [], [], None, None
         params = prepared.sampling_params
+        node = self.prefill.pick()
         leg = self.prefill.stream(
-            self.prefill.pick(),
+            node,
             "prefill",
             f"{prepared.internal_id}-p",
             prepared.prompt_token_ids,
@@ -188,7 +206,7 @@ class Disaggregated:
         if last is None:
             raise EngineFailed("the prefill node returned no output")
         finish = last.finish_reason if last.finish_reason == "stop" else None
-        return TokenDelta(
+        return node, TokenDelta(
             token_ids=tokens,
             text="".join(text),
             finish_reason=finish,

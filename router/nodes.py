@@ -42,6 +42,11 @@ class NodeClient(ABC):
     async def stats(self) -> NodeStats:
         """The node's current load and running totals."""
 
+    async def give_back(self, handle: dict[str, Any]) -> bool:
+        """Free the KV a prefill leg of this node left under `handle`: no decode leg will read
+        it. A node that keeps no KV for others has none to free."""
+        return False
+
     async def drop_engine(self) -> None:
         """End the node's engine (it is stuck); the node stays up without one, so its next health
         check says so and the pool builds a new engine."""

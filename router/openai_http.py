@@ -79,6 +79,26 @@ async def _json_body(request: Request, limit: int, timeout_s: float = BODY_TIMEO
         raise InvalidRequest("request body is nested too deeply") from None
 
 
+class ClientGone(Exception):
+    """The client closed its connection while its answer was being made."""
+
+
+async def _unless_gone(request: Request, awaitable: Any) -> Any:
+    """`awaitable`'s result, or `ClientGone` (it cancelled) once the client has disconnected:
+    polled every `DISCONNECT_POLL_S`, so a client that leaves during a long prefill stops it."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ClientGone
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def _check_auth(api_key: str | None, request: Request) -> None:
     if not authorized(api_key, request.headers.get("authorization")):
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
@@ -240,23 +260,23 @@ def create_app(
             # no node can serve) gets its status code, as from vLLM's own server, not an event
             deltas = service.stream(admitted)
             try:
-                first = await anext(deltas)
+                first = await _unless_gone(request, anext(deltas))
             except StopAsyncIteration:
                 first = None
+            except ClientGone:
+                await deltas.aclose()  # aborts the prefill, or gives its KV back
+                logger.info("%s: client left before its first token", prepared.request_id)
+                return Response(status_code=499)
             except BaseException:
                 await deltas.aclose()
                 raise
             stream = _sse(service, admitted, deltas, first)
             return StreamingResponse(stream, media_type="text/event-stream")
-        collecting = asyncio.ensure_future(service.collect(admitted))
-        while not collecting.done():  # a client that leaves cancels its request
-            await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
-            if not collecting.done() and await request.is_disconnected():
-                collecting.cancel()
-                await asyncio.gather(collecting, return_exceptions=True)
-                logger.info("%s: client left; cancelled", prepared.request_id)
-                return Response(status_code=499)
-        got = collecting.result()
+        try:
+            got = await _unless_gone(request, service.collect(admitted))
+        except ClientGone:
+            logger.info("%s: client left; cancelled", prepared.request_id)
+            return Response(status_code=499)
         frontend = service.frontend
         return JSONResponse(full_response(frontend.served_name, prepared, got, frontend.tokenizer))
 

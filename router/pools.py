@@ -42,6 +42,7 @@ from router.policies import RoutingPolicy
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
+GIVE_BACK_S = 10.0
 MISSED_CHECKS_TO_EVICT = 3
 """A node busy enough to miss a health check is not dead: it leaves its pool after this many
 missed checks in a row, or at once when Ray says the actor died."""
@@ -162,6 +163,16 @@ class Pool:
             node.outstanding_prompt_tokens -= len(prompt_token_ids)
             node.prefilling_tokens -= computing
             await deltas.aclose()
+
+    async def give_back(self, node: Node, handle: Any) -> None:
+        """Ask `node` to free the KV it keeps under `handle` (no decode leg will read it); a node
+        that does not answer in time keeps it until the lease ends."""
+        try:
+            async with asyncio.timeout(GIVE_BACK_S):
+                freed = await node.client.give_back(handle)
+            logger.debug("%s node %s: KV given back (%s)", self.name, node.name, freed)
+        except Exception as error:  # the lease frees it instead
+            logger.info("%s node %s: giving KV back failed: %r", self.name, node.name, error)
 
     def silent_for(self, node: Node) -> float:
         """Seconds the node has been silent beyond `silence_s` (0: not silent, or the router

@@ -55,6 +55,9 @@ class RayNodeClient(NodeClient):
     async def stats(self) -> NodeStats:
         return await self._call("stats")
 
+    async def give_back(self, handle: dict[str, Any]) -> bool:
+        return await self._call("give_back", handle)
+
     async def drop_engine(self) -> None:
         await self._call("drop_engine")
 

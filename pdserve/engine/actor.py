@@ -103,7 +103,10 @@ def engine_kwargs(
     if engine.long_prefill_token_threshold:
         kwargs["long_prefill_token_threshold"] = engine.long_prefill_token_threshold
     if kv_transfer:
+        from pdserve.kv.worker_extension import QUALNAME
+
         kwargs["kv_transfer_config"] = kv_transfer
+        kwargs["worker_extension_cls"] = QUALNAME  # the router's word reaches the connector
     return kwargs
 
 

@@ -57,6 +57,8 @@ class FakeNode(NodeClient):
     starts: int = 0
     dropped: int = 0
     """Engines the router ended as stuck."""
+    given_back: list = field(default_factory=list)
+    """Handles the router gave back unread."""
     silent: bool = False
     """True: nothing the node says reaches the router (a cut link); calls hang."""
     _heard: asyncio.Event = field(default_factory=asyncio.Event)
@@ -123,6 +125,10 @@ class FakeNode(NodeClient):
         if not self.healthy:
             raise NodeFailed("ActorDiedError")
         return self.engine
+
+    async def give_back(self, handle: dict) -> bool:
+        self.given_back.append(handle)
+        return True
 
     async def drop_engine(self) -> None:
         self.engine = False

@@ -79,6 +79,33 @@ async def test_nodes_see_pdserves_own_ids_never_the_clients():
     assert {rid[:-2] for rid in ids} == {first.internal_id, second.internal_id}
 
 
+async def test_kv_nobody_will_read_is_given_back_to_the_prefill_node():
+    """The client leaves at its first token (before the decode leg starts), or the decode node
+    dies before answering: the prefill node is asked to free the KV at once. A request that ran
+    to its end gives nothing back (its decode node read the KV)."""
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    stream = dispatcher.deltas(prepared(max_tokens=4), time.monotonic() + DEADLINE_S)
+    first = await anext(stream)
+    assert first.token_ids == [100]
+    await stream.aclose()  # the client left
+    await asyncio.sleep(0)
+    assert p.given_back == [{"node": "p0", "request": p.calls[0].request_id}]
+    assert not d.calls
+
+    await collect(dispatcher, prepared(max_tokens=4))
+    await asyncio.sleep(0)
+    assert len(p.given_back) == 1  # read to the end: nothing to give back
+
+    d.die_after = 0
+    d1 = FakeNode("d1")
+    dispatcher = disaggregated([p], [d, d1])
+    got = await collect(dispatcher, prepared(max_tokens=4, stream=False))
+    await asyncio.sleep(0)
+    assert tokens([g for g in got if g is not RESTART])[-4:] == [100, 101, 102, 103]
+    assert len(p.given_back) == 2  # the dead decode leg's KV, before the run again
+
+
 async def test_one_token_is_the_prefill_nodes_alone():
     p, d = FakeNode("p0"), FakeNode("d0")
     dispatcher = disaggregated([p], [d])

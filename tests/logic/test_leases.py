@@ -114,3 +114,40 @@ def test_a_settled_request_cannot_be_revived_by_a_replayed_lease():
     with pytest.raises(ClaimError) as replayed:
         table.claim("r", [1, 2], wait_s=0, grant=([1, 2], 1010, 1))
     assert replayed.value.reason == "lease_expired" and table.blocks_held() == 0
+
+
+def test_an_abandoned_offer_goes_at_the_next_collection_and_serves_no_pull():
+    """The router gives back a prefill's KV nobody will read (its client left between legs)."""
+    clock = Clock()
+    table = ProducerTable(clock=clock)
+    table.offer("r", [1, 2], deadline=1030)
+    table.abandon("r", 1030)
+    with pytest.raises(ClaimError) as refused:
+        table.claim("r", [1], wait_s=0)
+    assert refused.value.reason == "lease_expired"
+    assert table.collect_done() == {"r"} and table.blocks_held() == 0
+    assert table.leases_expired == 0  # given back, not expired
+
+
+def test_an_abandon_that_outruns_its_offer_waits_for_it():
+    clock = Clock()
+    table = ProducerTable(clock=clock)
+    table.abandon("r", 1030)  # the worker has not heard of the offer yet
+    assert table.collect_done() == set()  # nothing offered: nothing to free
+    table.offer("r", [4, 5], deadline=1030)
+    assert table.collect_done() == {"r"} and table.blocks_held() == 0
+    table.abandon("stale", 1005)  # for an offer that never comes: forgotten past its deadline
+    clock.now = 1006
+    table.collect_done()
+    table.offer("stale", [6], deadline=1040)
+    assert table.blocks_held() == 1
+
+
+def test_an_abandoned_offer_being_read_goes_when_the_read_ends():
+    table = ProducerTable(clock=Clock())
+    table.offer("r", [1], deadline=1030)
+    table.claim("r", [1], wait_s=0)
+    table.abandon("r", 1030)
+    assert table.collect_done() == set()  # never freed under a reader
+    table.release("r", completed=False)
+    assert table.collect_done() == {"r"}

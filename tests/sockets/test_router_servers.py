@@ -332,3 +332,17 @@ async def test_a_non_streamed_request_whose_client_leaves_is_cancelled(router, h
         await asyncio.sleep(0.05)
     assert router.service.admission.outstanding == 0
     assert router.nodes["d0"].calls and router.nodes["d0"].calls[-1].cancelled
+
+
+async def test_a_streaming_client_that_leaves_during_the_prefill_stops_it(router, http):
+    """Before the first token the router has answered nothing yet; a client that leaves then is
+    noticed anyway: the prefill leg is cancelled on its node, no decode leg starts."""
+    router.nodes["p0"].delay_s = 5.0  # a long prefill
+    body = {"prompt": "hi", "max_tokens": 4, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 4  # well before the prefill would have ended
+    while router.service.admission.outstanding and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert router.service.admission.outstanding == 0
+    assert router.nodes["p0"].calls[-1].cancelled and not router.nodes["d0"].calls
