@@ -376,6 +376,44 @@ def test_a_full_router_answers_429_and_a_disconnect_aborts_on_the_nodes(server):
     assert ok.status_code == 200
 
 
+def test_clients_that_leave_free_the_prefill_nodes_kv_at_once(server, corpus_text):
+    """Streaming clients that leave at their first token, and ones that leave during their
+    prefill: within a few seconds the prefill node holds no KV for anyone (not a lease later:
+    the lease is 30 s here), and the router still serves."""
+    lease_s = 30.0
+    words = corpus_text.split()
+
+    def leave(index: int, during_prefill: bool) -> None:
+        prompt = " ".join(words[index * 300 : index * 300 + 300])  # distinct: no prefix hits
+        body = {"prompt": prompt, "max_tokens": 64, "ignore_eos": True, "stream": True}
+        timeout = httpx.Timeout(60, read=0.3) if during_prefill else 60
+        try:
+            with httpx.stream(
+                "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=timeout
+            ) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        return  # the first token came: gone
+        except httpx.ReadTimeout:
+            return  # gone during the prefill
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(MAX_OUTSTANDING) as pool:
+        list(pool.map(leave, range(8), [i % 2 == 0 for i in range(8)]))
+    left = time.monotonic()
+    deadline = left + 15
+    while node(server, "prefill")["kv_blocks_held"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    freed_s = time.monotonic() - left
+    assert node(server, "prefill")["kv_blocks_held"] == 0, node(server, "prefill")
+    assert freed_s < 5 < lease_s, freed_s
+    print(f"8 clients left over {left - started:.1f} s; prefill KV freed {freed_s:.2f} s later")
+    ok = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH
+    )
+    assert ok.status_code == 200
+
+
 STREAM = {
     "prompt": "Tell me about the sea.",
     "max_tokens": 300,
