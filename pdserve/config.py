@@ -217,6 +217,9 @@ class RouterConfig(_Strict):
     (or after the request's first byte) is closed."""
     body_timeout_s: float = Field(30.0, gt=0)
     """An HTTP request whose body has not arrived whole this long after its head gets 408."""
+    max_schema_bytes: int = Field(64 << 10, gt=0)
+    """Largest structured-output spec a request may carry (JSON schema, regex, grammar, choices;
+    400 beyond): it is compiled on the engine before the request runs."""
     max_n: int = Field(128, ge=1, le=256)
     """Most sequences one request may ask for (`n`; 400 beyond). Each sequence is a decode leg,
     and one prefill's KV lease serves at most 256 of them."""

@@ -389,6 +389,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             ),
             config.router.request_timeout_s,
             config.router.max_n,
+            config.router.max_schema_bytes,
         )
         metrics.in_flight.set_function(lambda: admission.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())

@@ -52,6 +52,8 @@ def _structured(output: pb.StructuredOutput) -> dict[str, Any] | None:
             return {"json": json.loads(output.json_schema)}
         except json.JSONDecodeError as error:
             raise InvalidRequest(f"structured_output.json_schema is not JSON: {error}") from None
+        except RecursionError:
+            raise InvalidRequest("structured_output.json_schema is nested too deeply") from None
     if kind == "json_object":
         return {"json_object": True} if output.json_object else None
     if kind == "choice":

@@ -12,6 +12,7 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -71,6 +72,29 @@ class Admitted:
 
 MAX_N = 128
 """Default for `router.max_n`: sequences one request may ask for (`n`)."""
+MAX_SCHEMA_BYTES = 64 << 10
+"""Default for `router.max_schema_bytes`: the largest structured-output spec (JSON schema,
+regex, grammar, choices, structural tag), compiled on the engine before the request runs."""
+
+
+def structured_spec_bytes(params: Any) -> int:
+    """How large the request's structured-output spec is (0 without one); a JSON schema nested
+    too deeply to measure counts as too large."""
+    spec = getattr(params, "structured_outputs", None)
+    if spec is None:
+        return 0
+    size = 0
+    for name in ("json", "regex", "grammar", "structural_tag", "whitespace_pattern"):
+        value = getattr(spec, name, None)
+        if isinstance(value, dict | list):
+            try:
+                value = json.dumps(value)
+            except (RecursionError, ValueError):
+                return 1 << 62
+        if isinstance(value, str):
+            size += len(value.encode())
+    size += sum(len(str(choice).encode()) for choice in getattr(spec, "choice", None) or ())
+    return size
 
 
 class RouterService:
@@ -83,11 +107,13 @@ class RouterService:
         retry: RetryPolicy,
         request_timeout_s: float,
         max_n: int = MAX_N,
+        max_schema_bytes: int = MAX_SCHEMA_BYTES,
     ) -> None:
         self.frontend, self.dispatcher, self.metrics = frontend, dispatcher, metrics
         self.admission, self.retry = admission, retry
         self.request_timeout_s = request_timeout_s
         self.max_n = max_n
+        self.max_schema_bytes = max_schema_bytes
 
     async def open(self, kind: str, body: Any, api: str) -> Admitted:
         """Admit, validate and tokenize (on a thread: a long prompt must not stall the event loop
@@ -100,6 +126,12 @@ class RouterService:
             n = getattr(prepared.sampling_params, "n", 1) or 1
             if n > self.max_n:  # every sequence is a decode leg reading one prefill's lease
                 raise InvalidRequest(f"n must be at most {self.max_n} (router.max_n), got {n}", "n")
+            spec = structured_spec_bytes(prepared.sampling_params)
+            if spec > self.max_schema_bytes:
+                raise InvalidRequest(
+                    f"the structured output spec exceeds {self.max_schema_bytes} bytes "
+                    "(router.max_schema_bytes)"
+                )
             self.dispatcher.check_available()
         except BaseException as error:
             if slot is not None:

@@ -203,6 +203,18 @@ async def test_grpc_streams_and_maps_errors(router):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             [r async for r in stub.Generate(bad, metadata=auth)]
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for schema, says in (
+            ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+            ('{"enum": ["' + "x" * (70 << 10) + '"]}', "router.max_schema_bytes"),
+        ):
+            sampling = pb.SamplingOptions(
+                max_tokens=3, structured_output=pb.StructuredOutput(json_schema=schema)
+            )
+            hostile = pb.GenerateRequest(text="hi", sampling=sampling)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in stub.Generate(hostile, metadata=auth)]
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in refused.value.details()
         router.nodes["d0"].kv_failure = True
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             [r async for r in stub.Generate(request, metadata=auth)]
