@@ -1,15 +1,16 @@
 """The decode node's side of a KV pull: one connection to a prefill node's KV server.
 
-`KVClient.pull` connects, proves the cluster secret and checks the producer's proof, sends its
-layout (and any pairing fields the data plane needs), asks for the leased blocks, receives their
-bytes straight into this engine's paged cache through the data plane, and confirms. Every
-failure becomes a `TransferError` with a reason from `pdserve.kv.stats.FAILURE_REASONS`; the
-whole pull is bounded by `deadline`.
+`KVClient.pull` connects (over mutual TLS when the cluster has certificates), proves the
+cluster secret and checks the producer's proof, sends its layout (and any pairing fields the data
+plane needs), asks for the leased blocks, receives their bytes straight into this engine's paged
+cache through the data plane, and confirms. Every failure becomes a `TransferError` with a
+reason from `pdserve.kv.stats.FAILURE_REASONS`; the whole pull is bounded by `deadline`.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -32,9 +33,13 @@ CONTROL_TIMEOUT_S = 10.0
 
 
 class KVClient:
-    def __init__(self, plane: DataPlane, secret: Callable[[], bytes]) -> None:
+    def __init__(
+        self, plane: DataPlane, secret: Callable[[], bytes], tls: ssl.SSLContext | None = None
+    ) -> None:
         self.plane = plane
         self._secret = secret
+        self._tls = tls
+        """Mutual TLS to every producer (pdserve/tls.py), or None: plain TCP."""
 
     def pull(
         self,
@@ -53,7 +58,7 @@ class KVClient:
                 "bad_handle", f"handle has no port for tensor-parallel rank {tp_rank}"
             )
         peer = (handle.host, handle.ports[tp_rank])
-        conn = _connect(peer, deadline)
+        conn = _connect(peer, deadline, self._tls)
         try:
             conn.settimeout(max(0.01, min(CONTROL_TIMEOUT_S, deadline - time.monotonic())))
             self._prove_ourselves(conn)
@@ -120,7 +125,7 @@ class KVClient:
             raise TransferError("auth", "producer failed to prove the cluster secret")
 
 
-def _connect(peer: tuple[str, int], deadline: float) -> socket.socket:
+def _connect(peer: tuple[str, int], deadline: float, tls: ssl.SSLContext | None) -> socket.socket:
     try:
         conn = socket.create_connection(peer, timeout=max(0.01, deadline - time.monotonic()))
     except OSError as error:
@@ -128,4 +133,15 @@ def _connect(peer: tuple[str, int], deadline: float) -> socket.socket:
             "connect", f"cannot reach KV server {peer[0]}:{peer[1]}: {error}"
         ) from None
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
+    if tls is None:
+        return conn
+    try:
+        return tls.wrap_socket(conn, server_hostname=peer[0])
+    except ssl.SSLError as error:
+        conn.close()
+        raise TransferError("auth", f"TLS with KV server {peer[0]}:{peer[1]}: {error}") from None
+    except OSError as error:
+        conn.close()
+        raise TransferError(
+            "connect", f"TLS handshake with KV server {peer[0]}:{peer[1]}: {error}"
+        ) from None

@@ -177,7 +177,7 @@ class ConsumerWorker:
         self.settings = settings
         self.stats = stats
         self.tp_rank = tp_rank
-        self.client = KVClient(plane, settings.read_secret)
+        self.client = KVClient(plane, settings.read_secret, settings.client_tls())
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="pdserve-kv-pull")
         self._lock = threading.Lock()
         self._received: set[str] = set()

@@ -59,9 +59,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    _warn_plain_text(config)
     if args.cache_dir:
         os.environ["PDSERVE_CACHE_DIR"] = args.cache_dir
     return run(config, ready_file=args.ready_file)
+
+
+def _warn_plain_text(config) -> None:
+    """Traffic that leaves the host without TLS is allowed (a private cluster network may be
+    trusted) but said so, once, at start."""
+    if not _loopback(config.router.host) and config.router.tls is None:
+        print(
+            f"pdserve serve: warning: serving plain text on {config.router.host}: prompts, "
+            "completions and the API key cross the network unencrypted (set router.tls)",
+            file=sys.stderr,
+        )
+    if not _loopback(config.kv_transfer.host) and config.kv_transfer.tls is None:
+        print(
+            f"pdserve serve: warning: KV servers listen on {config.kv_transfer.host} without "
+            "TLS: prompts' KV caches cross the network unencrypted (set kv_transfer.tls)",
+            file=sys.stderr,
+        )
 
 
 def _loopback(host: str) -> bool:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pdserve.kv.settings import DEFAULTS as KV_DEFAULTS
 from pdserve.kv.settings import ConnectorSettings
+from pdserve.tls import ServerFiles, server_context
 
 DEFAULT_MODEL = "default"
 """Model name that means the embedded SmolLM2-135M-Instruct built by `pdserve model prepare`."""
@@ -196,6 +197,39 @@ class PlacementConfig(_Strict):
     own (any node's measured rate is used first)."""
 
 
+class RouterTLSConfig(_Strict):
+    """TLS on the router's HTTP and gRPC faces (PEM files, read when the router starts)."""
+
+    cert_file: str
+    """The router's certificate (with any intermediates after it)."""
+    key_file: str
+    client_ca_file: str | None = None
+    """If set, every client must present a certificate this CA signed (mutual TLS)."""
+
+    @model_validator(mode="after")
+    def _loads(self) -> RouterTLSConfig:
+        server_context(self.cert_file, self.key_file, self.client_ca_file)
+        return self
+
+    def files(self) -> ServerFiles:
+        return ServerFiles(self.cert_file, self.key_file, self.client_ca_file)
+
+
+class KVTLSConfig(_Strict):
+    """Mutual TLS on the KV plane: the same three files on every node host (paths on that
+    host); read when each engine starts."""
+
+    cert_file: str
+    """This host's certificate, presented to peers as server and as client."""
+    key_file: str
+    ca_file: str
+    """The cluster's CA: peers whose certificate it did not sign are refused."""
+    check_hostname: bool = True
+    """A decode node checks that the prefill node's certificate names the address it pulls
+    from (an IP address in subjectAltName). False: any certificate the CA signed (one
+    certificate for the whole cluster)."""
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     """Address the HTTP and gRPC servers bind to. Loopback unless told otherwise."""
@@ -223,6 +257,10 @@ class RouterConfig(_Strict):
     max_n: int = Field(128, ge=1, le=256)
     """Most sequences one request may ask for (`n`; 400 beyond). Each sequence is a decode leg,
     and one prefill's KV lease serves at most 256 of them."""
+    max_response_tokens: int = Field(1 << 18, gt=0)
+    """Most token entries a non-streamed response may gather in the router's memory (400
+    beyond): n × max_tokens × (1 + logprobs), plus the prompt's tokens × (1 + prompt_logprobs)
+    when asked for. A streamed response is sent as it comes and is not bounded by this."""
     max_request_bytes: int = Field(4 << 20, gt=0)
     """Largest request body (HTTP: 413 beyond it; gRPC: RESOURCE_EXHAUSTED)."""
     served_model_name: str | None = None
@@ -256,6 +294,8 @@ class RouterConfig(_Strict):
     enable_prompt_tokens_details: bool = False
     """Report the prompt tokens found in the prefix cache in `usage.prompt_tokens_details`, as
     vLLM's server does with `--enable-prompt-tokens-details`."""
+    tls: RouterTLSConfig | None = None
+    """TLS on both faces (https:// and a secure gRPC port). None: plain text, as on loopback."""
 
 
 class KVTransferConfig(_Strict):
@@ -283,6 +323,10 @@ class KVTransferConfig(_Strict):
     pulls it beside the steps and schedules the request one or two steps after the pull ends
     (no step waits for a pull)."""
 
+    tls: KVTLSConfig | None = None
+    """Mutual TLS on the `tcp` plane's connections (and the control connection of `nccl` and
+    `gloo`). None: plain TCP, authenticated by the cluster secret but not encrypted."""
+
     def connector_settings(
         self, secret: str, port: int, peer_hosts: tuple[str, ...] | None = None
     ) -> ConnectorSettings:
@@ -297,6 +341,10 @@ class KVTransferConfig(_Strict):
             load=self.load,
             secret=secret,
             peer_hosts=peer_hosts,
+            tls_cert_file=self.tls.cert_file if self.tls else None,
+            tls_key_file=self.tls.key_file if self.tls else None,
+            tls_ca_file=self.tls.ca_file if self.tls else None,
+            tls_check_hostname=self.tls.check_hostname if self.tls else True,
         )
 
 

@@ -206,13 +206,21 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
         scaler.start()
     router = config.router
     host, key, limit = router.host, router.api_key, router.max_request_bytes
+    tls = router.tls.files() if router.tls else None
     grpc_server, grpc_port, grpc_health = await create_server(
-        service, f"{host}:{router.grpc_port}", key, limit, router.max_connections
+        service, f"{host}:{router.grpc_port}", key, limit, router.max_connections, tls
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
     app = create_app(service, key, limit, router.body_timeout_s)
     http = _Server(
-        uvicorn_config(app, host, router.http_port, router.max_connections, router.header_timeout_s)
+        uvicorn_config(
+            app,
+            host,
+            router.http_port,
+            router.max_connections,
+            router.header_timeout_s,
+            tls=tls,
+        )
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -340,7 +348,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     from router.frontend import Frontend
     from router.metrics import RouterMetrics
     from router.retry import RetryPolicy
-    from router.service import RouterService
+    from router.service import RequestLimits, RouterService
 
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -388,26 +396,33 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 config.router.max_engine_deaths,
             ),
             config.router.request_timeout_s,
-            config.router.max_n,
-            config.router.max_schema_bytes,
+            RequestLimits(
+                config.router.max_n,
+                config.router.max_schema_bytes,
+                config.router.max_response_tokens,
+            ),
         )
         metrics.in_flight.set_function(lambda: admission.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())
 
+        scheme = "https" if config.router.tls else "http"
+
         def on_ready(host: str, port: int, grpc_port: int) -> None:
             logger.info(
-                "pdserve ready in %.1f s: serving %r on http://%s:%d and grpc %s:%d (%s: %s)",
+                "pdserve ready in %.1f s: serving %r on %s://%s:%d and grpc %s:%d%s (%s: %s)",
                 time.monotonic() - started,
                 served,
+                scheme,
                 host,
                 port,
                 host,
                 grpc_port,
+                " (TLS)" if config.router.tls else "",
                 config.mode,
                 sizes,
             )
             if ready_file:
-                urls = {"http": f"http://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
+                urls = {"http": f"{scheme}://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
                 Path(ready_file).write_text(json.dumps(urls))
 
         asyncio.run(_serve(service, config, on_ready, scaler))

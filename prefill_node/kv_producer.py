@@ -103,7 +103,14 @@ class ProducerWorker:
         self.stats = stats
         port = settings.port + tp_rank if settings.port else 0
         self.server = KVServer(
-            plane, self.table, settings.read_secret, stats, settings.host, port, engine_id
+            plane,
+            self.table,
+            settings.read_secret,
+            stats,
+            settings.host,
+            port,
+            engine_id,
+            settings.server_tls(),
         )
         self.server.start()
         self._expired_reported = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -84,8 +85,11 @@ class KVServer:
         host: str = "127.0.0.1",
         port: int = 0,
         engine_id: str = "",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.plane, self.table, self.stats = plane, table, stats
+        self._tls = tls
+        """Mutual TLS on every connection (pdserve/tls.py), or None: plain TCP."""
         self.engine_id = engine_id
         """The producer engine's id: leases signed for another engine (or an earlier start of
         this one) are not honoured."""
@@ -171,6 +175,8 @@ class KVServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             started = time.monotonic()
             _within(conn, started + AUTH_DEADLINE_S)
+            if self._tls is not None:
+                conn = self._secure(conn)
             self._authenticate_peer(conn, started + AUTH_DEADLINE_S)
             self._proven(address)
             unproven = False
@@ -202,6 +208,16 @@ class KVServer:
                 self._proven(address)
             if slot:
                 self._slots.release()
+
+    def _secure(self, conn: socket.socket) -> socket.socket:
+        """The TLS handshake, under the authentication deadline; the wrapped socket replaces the
+        plain one (close() then cuts it)."""
+        with self._active_lock:
+            self._active.discard(conn)
+        secured = self._tls.wrap_socket(conn, server_side=True)
+        with self._active_lock:
+            self._active.add(secured)
+        return secured
 
     def _authenticate_peer(self, conn: socket.socket, deadline: float) -> None:
         nonce = new_nonce()

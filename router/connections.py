@@ -9,12 +9,18 @@ their headers would keep them for ever); an idle keep-alive connection is closed
 
 gRPC: at most `max_connections` calls at once (RESOURCE_EXHAUSTED beyond), an idle connection
 closed after `GRPC_IDLE_S`, and keepalive pings from clients limited to one a minute.
+
+With `router.tls` both faces speak TLS only (and with its `client_ca_file`, only to clients
+holding a certificate that CA signed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
+
+from pdserve.tls import ServerFiles
 
 KEEP_ALIVE_S = 5
 GRPC_IDLE_S = 300
@@ -68,9 +74,15 @@ def uvicorn_config(
     max_connections: int,
     header_timeout_s: float,
     log_level: str = "warning",
+    tls: ServerFiles | None = None,
 ) -> Any:
     import uvicorn
 
+    secure: dict[str, Any] = {}
+    if tls is not None:
+        secure = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+        if tls.client_ca_file:
+            secure.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
     return uvicorn.Config(
         app,
         host=host,
@@ -79,6 +91,7 @@ def uvicorn_config(
         http=_head_deadline_protocol(header_timeout_s),
         limit_concurrency=max_connections,
         timeout_keep_alive=KEEP_ALIVE_S,
+        **secure,
     )
 
 

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.types import TokenDelta
+from pdserve.tls import ServerFiles, read_bytes
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.auth import authorized
@@ -169,12 +170,23 @@ async def follow_pools(health_servicer: Any, dispatcher: Any) -> None:
         await asyncio.sleep(HEALTH_INTERVAL_S)
 
 
+def _credentials(tls: ServerFiles) -> grpc.ServerCredentials:
+    """The gRPC face's certificate; with `client_ca_file`, clients must present one that CA
+    signed."""
+    client_ca = read_bytes(tls.client_ca_file, "client CA") if tls.client_ca_file else None
+    pair = (read_bytes(tls.key_file, "key"), read_bytes(tls.cert_file, "certificate"))
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
 async def create_server(
     service: RouterService,
     address: str,
     api_key: str | None = None,
     max_request_bytes: int = 4 << 20,
     max_calls: int = 4096,
+    tls: ServerFiles | None = None,
 ) -> tuple[grpc.aio.Server, int, Any]:
     """Build and start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(
@@ -189,10 +201,13 @@ async def create_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, _credentials(tls))
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING
     for name in ("", SERVICE):
         await health_servicer.set(name, serving)
-    logger.info("gRPC server listening on %s (port %d)", address, port)
+    logger.info("gRPC server listening on %s (port %d%s)", address, port, ", TLS" if tls else "")
     return server, port, health_servicer

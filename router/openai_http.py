@@ -46,12 +46,12 @@ def _error_response(error: RequestError) -> JSONResponse:
 
 
 DISCONNECT_POLL_S = 0.5
+"""How often a request checks that its client is still there while it waits for a token."""
 BODY_TIMEOUT_S = 30.0
 """Default for `router.body_timeout_s`."""
 NODE_ANSWER_S = 10.0
 """How long an admin endpoint that asks every node waits for them (all at once): a node that
 has not answered by then is named in the reply, not waited on."""
-"""How often a non-streamed request checks that its client is still there."""
 
 
 async def _json_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:

@@ -1,9 +1,10 @@
 """The router's service, shared by both edges (OpenAI HTTP and gRPC).
 
 Life of a request here:
-1. `open(kind, body, api)`: the dispatcher says whether any node can take it, admission gives
-   it a slot, and the frontend validates and tokenizes the body off the event loop — or it is
-   refused with a `RequestError` (counted, its slot given back).
+1. `open(kind, body, api)`: admission gives it a slot, the frontend validates and tokenizes the
+   body off the event loop, the router's own limits are checked (`RequestLimits`), and the
+   dispatcher says whether any node can take it — or it is refused with a `RequestError`
+   (counted, its slot given back).
 2. `stream(request)` or `collect(request)`: the request runs under the retry policy
    (router/retry.py) with its deadline (`router.request_timeout_s` from arrival); its latencies
    are observed once, its outcome counted, and its slot released however it ends.
@@ -70,11 +71,61 @@ class Admitted:
     timer: RequestTimer
 
 
-MAX_N = 128
-"""Default for `router.max_n`: sequences one request may ask for (`n`)."""
-MAX_SCHEMA_BYTES = 64 << 10
-"""Default for `router.max_schema_bytes`: the largest structured-output spec (JSON schema,
-regex, grammar, choices, structural tag), compiled on the engine before the request runs."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the router and the nodes (`router.*` in the config); beyond
+    any of them it is refused with 400 before it is run."""
+
+    max_n: int = 128
+    """Sequences one request may ask for (`n`): each is a decode leg reading one prefill's
+    lease."""
+    max_schema_bytes: int = 64 << 10
+    """The largest structured-output spec (JSON schema, regex, grammar, choices, structural
+    tag), compiled on the engine before the request runs."""
+    max_response_tokens: int = 1 << 18
+    """Token entries a non-streamed response may hold in the router's memory at most (see
+    `held_response_tokens`); a streamed one is sent as it comes and holds none."""
+
+    def check(self, prepared: PreparedRequest) -> None:
+        params = prepared.sampling_params
+        n = getattr(params, "n", 1) or 1
+        if n > self.max_n:
+            raise InvalidRequest(f"n must be at most {self.max_n} (router.max_n), got {n}", "n")
+        spec = structured_spec_bytes(params)
+        if spec > self.max_schema_bytes:
+            raise InvalidRequest(
+                f"the structured output spec exceeds {self.max_schema_bytes} bytes "
+                "(router.max_schema_bytes)"
+            )
+        held = 0 if prepared.stream else held_response_tokens(prepared)
+        if held > self.max_response_tokens:
+            raise InvalidRequest(
+                f"a non-streamed response of up to {held} token entries (n × max_tokens × "
+                f"(1 + logprobs), plus prompt logprobs) exceeds {self.max_response_tokens} "
+                "(router.max_response_tokens): stream it, or ask for fewer tokens, sequences "
+                "or logprobs"
+            )
+
+
+def _per_token(logprobs: int | None) -> int:
+    """Entries one token holds: itself and its top logprobs (-1, "the whole vocabulary", counts
+    as more than any bound)."""
+    if logprobs is None:
+        return 1
+    return 1 + logprobs if logprobs >= 0 else 1 << 40
+
+
+def held_response_tokens(prepared: PreparedRequest) -> int:
+    """The most token entries a whole response can gather: every sequence's tokens to
+    max_tokens, each with its top logprobs, and the prompt's logprobs when asked for."""
+    params = prepared.sampling_params
+    n = getattr(params, "n", 1) or 1
+    tokens = getattr(params, "max_tokens", None) or 0
+    held = n * tokens * _per_token(getattr(params, "logprobs", None))
+    prompt_logprobs = getattr(params, "prompt_logprobs", None)
+    if prompt_logprobs is not None:
+        held += len(prepared.prompt_token_ids) * _per_token(prompt_logprobs)
+    return held
 
 
 def structured_spec_bytes(params: Any) -> int:
@@ -106,14 +157,12 @@ class RouterService:
         admission: Admission,
         retry: RetryPolicy,
         request_timeout_s: float,
-        max_n: int = MAX_N,
-        max_schema_bytes: int = MAX_SCHEMA_BYTES,
+        limits: RequestLimits = RequestLimits(),
     ) -> None:
         self.frontend, self.dispatcher, self.metrics = frontend, dispatcher, metrics
         self.admission, self.retry = admission, retry
         self.request_timeout_s = request_timeout_s
-        self.max_n = max_n
-        self.max_schema_bytes = max_schema_bytes
+        self.limits = limits
 
     async def open(self, kind: str, body: Any, api: str) -> Admitted:
         """Admit, validate and tokenize (on a thread: a long prompt must not stall the event loop
@@ -123,15 +172,7 @@ class RouterService:
         try:
             slot = self.admission.admit()
             prepared = await asyncio.to_thread(self.frontend.prepare, kind, body)
-            n = getattr(prepared.sampling_params, "n", 1) or 1
-            if n > self.max_n:  # every sequence is a decode leg reading one prefill's lease
-                raise InvalidRequest(f"n must be at most {self.max_n} (router.max_n), got {n}", "n")
-            spec = structured_spec_bytes(prepared.sampling_params)
-            if spec > self.max_schema_bytes:
-                raise InvalidRequest(
-                    f"the structured output spec exceeds {self.max_schema_bytes} bytes "
-                    "(router.max_schema_bytes)"
-                )
+            self.limits.check(prepared)
             self.dispatcher.check_available()
         except BaseException as error:
             if slot is not None:

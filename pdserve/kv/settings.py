@@ -7,9 +7,12 @@ defaults from here, and a plain vLLM server loading the connector gets the same 
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdserve.tls import client_context, server_context
 
 SECRET_ENV = "PDSERVE_KV_SECRET"
 TRANSPORTS = ("tcp", "nccl", "gloo")
@@ -43,6 +46,16 @@ class ConnectorSettings:
     peer_hosts: tuple[str, ...] | None = None
     """Consumer: the hosts a handle may send it to pull from (None: any). A handle naming another
     host fails its request as a bad handle."""
+    tls_cert_file: str | None = None
+    """With `tls_key_file` and `tls_ca_file`: every KV connection is mutual TLS. This engine
+    presents this certificate (PEM) to its peers, as a server and as a client."""
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    """The cluster CA: a peer whose certificate it did not sign is refused."""
+    tls_check_hostname: bool = True
+    """Consumer: the producer's certificate must name the address pulled from (an IP address in
+    its subjectAltName). False: any certificate the CA signed will do (one certificate for the
+    whole cluster)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -65,6 +78,8 @@ class ConnectorSettings:
         if not (0 <= int(settings.port) <= 65535):
             raise ValueError(f"port {settings.port} is out of range")
         settings.read_secret()  # fail at start, not at the first pull
+        settings.server_tls()
+        settings.client_tls()
         return settings
 
     def to_extra(self) -> dict[str, Any]:
@@ -88,6 +103,27 @@ class ConnectorSettings:
                 f"kv_connector_extra_config, or ${SECRET_ENV}"
             )
         return value.encode()
+
+    def _tls_files(self) -> tuple[str, str, str] | None:
+        files = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if not any(files):
+            return None
+        if not all(files):
+            raise ValueError("KV TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
+        return files  # type: ignore[return-value]
+
+    def server_tls(self) -> ssl.SSLContext | None:
+        """The KV server's context (peers must present a certificate the CA signed), or None."""
+        files = self._tls_files()
+        return None if files is None else server_context(*files)
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """The KV client's context (it presents this engine's certificate), or None."""
+        files = self._tls_files()
+        if files is None:
+            return None
+        cert, key, ca = files
+        return client_context(ca, cert, key, self.tls_check_hostname)
 
     @property
     def public_host(self) -> str:

@@ -127,3 +127,39 @@ def test_cpu_engines_preload_what_is_installed(monkeypatch, tmp_path, caplog):
     assert "tcmalloc is not installed" in caplog.text
     assert "LD_PRELOAD" not in engine_env(EngineConfig(cpu_preload=[]), PoolConfig(), 0)
     assert "LD_PRELOAD" not in engine_env(engine, PoolConfig(num_gpus=1), 0)
+
+
+def test_tls_files_are_checked_at_load_and_reach_the_connector(tmp_path):
+    from tests.helpers.certs import issue
+
+    missing = str(tmp_path / "nowhere.pem")
+    with pytest.raises(ConfigError) as bad:
+        parse_config({"router": {"tls": {"cert_file": missing, "key_file": missing}}})
+    assert "router.tls" in str(bad.value) and "nowhere.pem" in str(bad.value)
+    files = issue(tmp_path / "certs")
+    config = parse_config(
+        {
+            "router": {"tls": {"cert_file": files.cert_file, "key_file": files.key_file}},
+            "kv_transfer": {
+                "tls": {
+                    "cert_file": files.cert_file,
+                    "key_file": files.key_file,
+                    "ca_file": files.ca_file,
+                    "check_hostname": False,
+                }
+            },
+        }
+    )
+    settings = config.kv_transfer.connector_settings("secret", 0)
+    assert settings.tls_ca_file == files.ca_file and not settings.tls_check_hostname
+    assert settings.server_tls() is not None and settings.client_tls() is not None
+    assert PDServeConfig().kv_transfer.connector_settings("s", 0).server_tls() is None
+
+
+def test_plain_text_off_loopback_is_warned_about(monkeypatch, capsys):
+    from pdserve import cli
+
+    monkeypatch.setattr("pdserve.serve.run", lambda config, ready_file=None: 0)
+    monkeypatch.setenv("PDSERVE_API_KEY", "k")
+    assert cli.main(["serve", "--host", "0.0.0.0"]) == 0
+    assert "serving plain text on 0.0.0.0" in capsys.readouterr().err

@@ -324,6 +324,27 @@ async def test_n_above_the_routers_bound_is_refused_and_gives_its_slot_back():
     assert outcome(svc, "invalid_request_error") == 1
 
 
+@pytest.mark.parametrize(
+    "asked, refused",
+    [
+        (dict(n=64, max_tokens=2049, logprobs=1), True),  # 262,272 entries: over 1 << 18
+        (dict(n=64, max_tokens=2048, logprobs=1), False),  # 262,144: just within
+        (dict(n=1, max_tokens=16, logprobs=-1), True),  # the whole vocabulary per token
+        (dict(n=64, max_tokens=2048, logprobs=1, stream=True), False),  # streamed: not held
+    ],
+)
+async def test_a_non_streamed_response_too_large_to_hold_is_refused_before_it_runs(asked, refused):
+    node = FakeNode("c0")
+    svc = service(colocated(node), prepared(**{"stream": False, **asked}))
+    if not refused:
+        admitted = await svc.open("completion", {}, "http")
+        admitted.slot.release()
+        return
+    with pytest.raises(InvalidRequest, match=r"router.max_response_tokens\): stream it"):
+        await svc.open("completion", {}, "http")
+    assert svc.admission.outstanding == 0 and not node.calls
+
+
 async def test_admission_holds_a_slot_per_request_and_always_gives_it_back():
     svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=3, stream=False))
     first = await svc.open("completion", {}, "http")

@@ -350,3 +350,113 @@ def test_a_lease_signed_for_another_engine_start_is_not_honoured(monkeypatch):
         assert refused.value.reason == "unknown_request"
     finally:
         server.close()
+
+
+def tls_pair(tmp_path, producer_names=("127.0.0.1",), consumer_ca=None, check_hostname=True):
+    """A producer on mutual TLS and a consumer with its own certificate (signed by the same CA
+    unless `consumer_ca` says otherwise)."""
+    import trustme
+
+    from pdserve.kv.settings import ConnectorSettings
+    from tests.helpers.certs import issue
+
+    ca = trustme.CA()
+    server_files = issue(tmp_path / "producer", producer_names, ca)
+    client_files = issue(tmp_path / "consumer", ("127.0.0.1",), consumer_ca or ca)
+    server_side = ConnectorSettings(
+        tls_cert_file=server_files.cert_file,
+        tls_key_file=server_files.key_file,
+        tls_ca_file=server_files.ca_file,
+    )
+    client_side = ConnectorSettings(
+        tls_cert_file=client_files.cert_file,
+        tls_key_file=client_files.key_file,
+        tls_ca_file=server_files.ca_file,
+        tls_check_hostname=check_hostname,
+    )
+    kv = caches(fill=True)
+    table = ProducerTable()
+    server = KVServer(
+        TcpPlane(layout(kv), kv),
+        table,
+        lambda: b"secret",
+        TransferStats(),
+        tls=server_side.server_tls(),
+    )
+    dst = caches(fill=False)
+    client = KVClient(TcpPlane(layout(dst), dst), lambda: b"secret", client_side.client_tls())
+    return kv, table, server, server.start(), dst, client
+
+
+def test_a_pull_over_mutual_tls_copies_exact_blocks(tmp_path):
+    src, table, server, port, dst, client = tls_pair(tmp_path)
+    try:
+        table.offer("req-t", [1, 2, 5], time.time() + 30)
+        moved = client.pull(
+            handle(port, "req-t", [1, 2, 5]), [1, 2, 5], [3, 4, 6], 0, time.monotonic() + 10
+        )
+        assert moved == 3 * LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2
+        for name in src:
+            assert torch.equal(dst[name][[3, 4, 6]], src[name][[1, 2, 5]])
+        assert until(table.collect_done) == {"req-t"}
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "case, reasons",
+    [
+        ("plain client", ("connection_reset", "handshake")),
+        ("client of another CA", ("connection_reset", "auth")),
+        ("certificate for another address", ("auth",)),
+    ],
+)
+def test_tls_refuses_peers_it_cannot_verify(tmp_path, case, reasons):
+    import trustme
+
+    pair = dict(tmp_path=tmp_path)
+    if case == "client of another CA":
+        pair["consumer_ca"] = trustme.CA()
+    if case == "certificate for another address":
+        pair["producer_names"] = ("127.0.0.9",)
+    src, table, server, port, dst, client = tls_pair(**pair)
+    if case == "plain client":
+        client = consumer()[1]
+    try:
+        table.offer("req-x", [1], time.time() + 30)
+        with pytest.raises(TransferError) as refused:
+            client.pull(handle(port, "req-x", [1]), [1], [2], 0, time.monotonic() + 5)
+        assert refused.value.reason in reasons, refused.value
+        assert table.blocks_held() == 1 and not table.collect_done()  # nothing was served
+    finally:
+        server.close()
+
+
+def test_one_cluster_certificate_serves_any_address_without_hostname_checks(tmp_path):
+    src, table, server, port, dst, client = tls_pair(
+        tmp_path, producer_names=("pdserve-cluster",), check_hostname=False
+    )
+    try:
+        table.offer("req-c", [1], time.time() + 30)
+        client.pull(handle(port, "req-c", [1]), [1], [2], 0, time.monotonic() + 10)
+        for name in src:
+            assert torch.equal(dst[name][2], src[name][1])
+    finally:
+        server.close()
+
+
+def test_tls_settings_come_in_threes_and_name_a_missing_file(tmp_path):
+    from pdserve.kv.settings import ConnectorSettings
+
+    with pytest.raises(ValueError, match="together"):
+        ConnectorSettings.from_extra({"secret": "s", "tls_cert_file": "x.pem"})
+    missing = str(tmp_path / "missing.pem")
+    with pytest.raises(ValueError, match="missing.pem"):
+        ConnectorSettings.from_extra(
+            {
+                "secret": "s",
+                "tls_cert_file": missing,
+                "tls_key_file": missing,
+                "tls_ca_file": missing,
+            }
+        )

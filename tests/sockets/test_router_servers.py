@@ -358,3 +358,70 @@ async def test_a_streaming_client_that_leaves_during_the_prefill_stops_it(router
         await asyncio.sleep(0.05)
     assert router.service.admission.outstanding == 0
     assert router.nodes["p0"].calls[-1].cancelled and not router.nodes["d0"].calls
+
+
+async def test_both_faces_speak_mutual_tls_when_configured(router, tmp_path):
+    """router.tls: https and a secure gRPC port, each refusing a client without a certificate
+    the client CA signed; the same service answers behind them."""
+    import ssl
+
+    import trustme
+    import uvicorn
+
+    from pdserve.tls import ServerFiles
+    from router.connections import uvicorn_config
+    from tests.helpers.certs import issue
+
+    ca = trustme.CA()
+    server_files = issue(tmp_path / "router", ("127.0.0.1",), ca)
+    client_files = issue(tmp_path / "client", ("client.example",), ca)
+    tls = ServerFiles(server_files.cert_file, server_files.key_file, server_files.ca_file)
+    app = create_app(router.service, KEY, LIMIT_BYTES)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, 64, 5, "error", tls))
+    task = asyncio.create_task(server.serve())
+    grpc_server, grpc_port, _ = await create_server(router.service, "127.0.0.1:0", KEY, tls=tls)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.02)
+        url = f"https://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        trusted = ssl.create_default_context(cafile=server_files.ca_file)
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+            async with httpx.AsyncClient(verify=trusted, timeout=10) as bare:
+                await bare.get(f"{url}/health")
+        trusted.load_cert_chain(client_files.cert_file, client_files.key_file)
+        async with httpx.AsyncClient(verify=trusted, headers=AUTH, timeout=30) as client:
+            body = {"prompt": "Hello there", "max_tokens": 3}
+            answer = await client.post(f"{url}/v1/completions", json=body)
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["text"] == fake_text(2, 3)
+
+        address = f"127.0.0.1:{grpc_port}"
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=3))
+        auth = (("authorization", f"Bearer {KEY}"),)
+        ca_pem = open(server_files.ca_file, "rb").read()
+        anonymous = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+        async with grpc.aio.secure_channel(address, anonymous) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in pb_grpc.GenerationStub(channel).Generate(request, metadata=auth)]
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        known = grpc.ssl_channel_credentials(
+            root_certificates=ca_pem,
+            private_key=open(client_files.key_file, "rb").read(),
+            certificate_chain=open(client_files.cert_file, "rb").read(),
+        )
+        async with grpc.aio.secure_channel(address, known) as channel:
+            replies = [
+                r async for r in pb_grpc.GenerationStub(channel).Generate(request, metadata=auth)
+            ]
+        assert "".join(r.text for r in replies) == fake_text(1, 3)
+        async with grpc.aio.insecure_channel(address) as channel:  # plain text is not served
+            with pytest.raises(grpc.aio.AioRpcError) as plain:
+                [r async for r in pb_grpc.GenerationStub(channel).Generate(request, metadata=auth)]
+            assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await grpc_server.stop(grace=1)
+        server.should_exit = True
+        await task
+    assert router.service.admission.outstanding == 0

@@ -1,14 +1,15 @@
 """TCP data plane: KV block bytes follow the control messages on the same socket.
 
 CPU caches are sent from and received into the paged KV cache's own memory (no staging copy),
-many runs per system call (`sendmsg` / `recvmsg_into` scatter-gather); device caches go through
-a host buffer per run. The bytes are the blocks exactly as stored, so both sides must share a
-layout (checked in the handshake).
+many runs per system call (`sendmsg` / `recvmsg_into` scatter-gather; over TLS, which has no
+scatter-gather, one run per call); device caches go through a host buffer per run. The bytes are
+the blocks exactly as stored, so both sides must share a layout (checked in the handshake).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from pdserve.kv.transport.plane import DataPlane, block_runs
+from pdserve.kv.wire import recv_exact_into
 
 IOV_BATCH = 512
 """Buffers per sendmsg / recvmsg_into call (Linux allows up to 1024)."""
@@ -115,6 +117,11 @@ def _advance(buffers: list[memoryview], start: int, moved: int) -> int:
 
 def _sendmsg_all(conn: socket.socket, buffers: list[memoryview], deadline: float) -> int:
     total = sum(len(b) for b in buffers)
+    if isinstance(conn, ssl.SSLSocket):
+        for buffer in buffers:
+            _settimeout(conn, deadline)
+            conn.sendall(buffer)
+        return total
     start = 0
     while start < len(buffers):
         _settimeout(conn, deadline)
@@ -123,6 +130,11 @@ def _sendmsg_all(conn: socket.socket, buffers: list[memoryview], deadline: float
 
 
 def _recvmsg_all(conn: socket.socket, buffers: list[memoryview], deadline: float) -> None:
+    if isinstance(conn, ssl.SSLSocket):
+        for buffer in buffers:
+            _settimeout(conn, deadline)
+            recv_exact_into(conn, buffer)
+        return
     start = 0
     while start < len(buffers):
         _settimeout(conn, deadline)
