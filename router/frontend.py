@@ -7,6 +7,7 @@ This is the boundary: vLLM's OpenAI pydantic request classes come in, a plain do
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
@@ -100,7 +101,9 @@ class Frontend:
             max_tokens = request.max_tokens
         else:
             token_ids = self._chat_tokens(request)
-            max_tokens = request.max_completion_tokens or request.max_tokens
+            max_tokens = request.max_completion_tokens
+            if max_tokens is None:  # 0 is a value (refused below), not "unset"
+                max_tokens = request.max_tokens
         token_ids = self._truncated(request, token_ids)
         echo_only = kind == "completion" and bool(request.echo) and max_tokens == 0
         max_tokens = self._check_lengths(len(token_ids), None if echo_only else max_tokens)
@@ -187,14 +190,55 @@ class Frontend:
                 "add_generation_prompt and continue_final_message cannot both be true",
                 "continue_final_message",
             )
+        explicit = {
+            "add_generation_prompt": request.add_generation_prompt,
+            "continue_final_message": request.continue_final_message,
+        }
         text = self.tokenizer.apply_chat_template(
             messages,
             tokenize=False,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
+            **self._template_kwargs(request.chat_template_kwargs or {}, explicit),
+            **explicit,
         )
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _template_kwargs(self, asked: dict, explicit: dict) -> dict:
+        """The `chat_template_kwargs` the model's template reads. A client may not replace the
+        template (`chat_template`) or have it tokenized (`tokenize`): 400, as from vLLM's
+        server; keys the template never reads are dropped, and the request's own fields win
+        over the same names here."""
+        unexpected = sorted({"chat_template", "tokenize"} & asked.keys())
+        if unexpected:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {unexpected}: the model's own template is "
+                "used, as given",
+                "chat_template_kwargs",
+            )
+        known = self._template_variables
+        return {
+            key: value
+            for key, value in asked.items()
+            if (known is None or key in known) and key not in explicit
+        }
+
+    @functools.cached_property
+    def _template_variables(self) -> frozenset[str] | None:
+        """The names the model's chat template reads from its context (None: it cannot be
+        parsed here, so every name is passed on)."""
+        import jinja2
+        import jinja2.meta
+        import jinja2.sandbox
+
+        templates = self.tokenizer.chat_template or ""
+        if isinstance(templates, dict):  # named templates: any of them may be used
+            templates = "\n".join(templates.values())
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            extensions=["jinja2.ext.loopcontrols"]
+        )
+        try:
+            return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(templates)))
+        except jinja2.TemplateError:
+            return None
 
     def _check_lengths(self, prompt_len: int, max_tokens: int | None) -> int:
         if prompt_len == 0:

@@ -30,14 +30,20 @@ MAX_OUTSTANDING = 4
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     """The default configuration (1P1D) in float32 (exact comparisons hold on any CPU), plus an
-    API key and a small admission limit, and every prompt prefilled on the prefill node (the
-    seam under test; test_default_config.py serves the adaptive default)."""
+    API key, a small admission limit, every prompt prefilled on the prefill node (the seam under
+    test; test_default_config.py serves the adaptive default), and the KV crossing on mutual TLS
+    (every other e2e server moves it on plain TCP)."""
+    from tests.helpers.certs import issue
+
     work = tmp_path_factory.mktemp("serve-1p1d")
+    certs = issue(work / "certs")
     config = work / "pdserve.yaml"
     config.write_text(
         f"router: {{api_key: {API_KEY}, max_outstanding_requests: {MAX_OUTSTANDING},\n"
         "         placement: {mode: remote}}\n"
         "engine: {dtype: float32}\n"
+        f"kv_transfer: {{tls: {{cert_file: {certs.cert_file}, key_file: {certs.key_file},\n"
+        f"                     ca_file: {certs.ca_file}}}}}\n"
     )
     server = start_server(work, "--config", str(config), api_key=API_KEY)
     yield server
@@ -113,6 +119,37 @@ def test_completions_and_chat_streamed_and_not(client, server):
         chat.choices[0].message.content
     )
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_the_kv_crosses_on_mutual_tls(client, server):
+    """The decode node pulls each prompt's KV from the prefill node over TLS: the pull lands
+    (bytes counted on both sides, no failure) and the output is the same as ever."""
+
+    def moved(direction: str) -> float:
+        return metric(server, "pdserve_kv_transfer_bytes_total", direction=direction)
+
+    def failures() -> float:  # every reason on every node
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "pdserve_kv_transfer_failures_total"
+        )
+
+    failed = failures()
+    sent, received = moved("sent"), moved("received")
+    answer = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert answer.usage.completion_tokens == 4
+    deadline = time.monotonic() + 10  # the nodes' stats reach /metrics with their health checks
+    while moved("received") == received and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert moved("received") > received and moved("sent") > sent
+    assert failures() == failed == 0
 
 
 def test_max_tokens_one_is_served_by_the_prefill_node_alone(client, server):

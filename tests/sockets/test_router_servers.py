@@ -136,6 +136,37 @@ async def test_bad_input_gets_a_json_error(http, body, status, says):
     assert says in error["message"] and error["code"] == status
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (
+            {"chat_template_kwargs": {"chat_template": "{% for i in range(9) %}A{% endfor %}"}},
+            "chat_template_kwargs may not set ['chat_template']",
+        ),
+        ({"chat_template_kwargs": {"tokenize": True}}, "may not set ['tokenize']"),
+        ({"max_completion_tokens": 0}, "max_tokens must be"),  # 0 is not "unset"
+    ],
+)
+async def test_hostile_chat_fields_get_400(http, extra, says):
+    response = await http.post("/v1/chat/completions", json={"messages": HI, **extra})
+    assert response.status_code == 400, response.text
+    assert says in response.json()["error"]["message"]
+
+
+async def test_chat_template_kwargs_reach_the_models_template_only(http):
+    """Names the template reads pass, others are dropped, and the request's own fields win over
+    the same names (no "multiple values" crash)."""
+    body = {"messages": HI, "max_tokens": 2}
+    plain = (await http.post("/v1/chat/completions", json=body)).json()
+    kwargs = {"add_generation_prompt": False, "no_such_variable": [1] * 1000}
+    odd = await http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs})
+    assert odd.status_code == 200, odd.text
+    assert odd.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
 async def test_missing_key_and_bad_json(router, http):
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as anonymous:
         denied = await anonymous.post("/v1/completions", json={"prompt": "hi"})
