@@ -7,8 +7,9 @@ or it is closed (uvicorn has no such bound: a client that opens connections and 
 their headers would keep them for ever); an idle keep-alive connection is closed after
 `KEEP_ALIVE_S`. The body's bound is the app's (`router.body_timeout_s`, router/openai_http.py).
 
-gRPC: at most `max_connections` calls at once (RESOURCE_EXHAUSTED beyond), an idle connection
-closed after `GRPC_IDLE_S`, and keepalive pings from clients limited to one a minute.
+gRPC: at most `max_connections` calls at once (RESOURCE_EXHAUSTED beyond), a connection closed
+if its handshake is not done within `GRPC_HANDSHAKE_S` or once idle for `GRPC_IDLE_S`, and
+keepalive pings from clients limited to one a minute.
 
 With `router.tls` both faces speak TLS only (and with its `client_ca_file`, only to clients
 holding a certificate that CA signed).
@@ -24,6 +25,8 @@ from pdserve.tls import ServerFiles
 
 KEEP_ALIVE_S = 5
 GRPC_IDLE_S = 300
+GRPC_HANDSHAKE_S = 10
+"""A gRPC connection must finish its handshake (TLS, when on, and HTTP/2's) within this."""
 
 
 def _head_deadline_protocol(header_timeout_s: float) -> type:
@@ -99,6 +102,7 @@ def grpc_options(max_request_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_connection_idle_ms", GRPC_IDLE_S * 1000),
+        ("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_S * 1000),
         ("grpc.http2.min_ping_interval_without_data_ms", 60_000),
         ("grpc.http2.max_ping_strikes", 2),
     ]

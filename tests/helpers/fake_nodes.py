@@ -8,7 +8,9 @@ on the decode node) returns token 999, which must never reach a client. Faults a
 node: `die_after` (the node dies after that many deltas of its next call), `silent_after` (its
 link is cut after that many deltas: the stream and health checks hang until `speak()`),
 `kv_failure` (its decode reports a failed KV pull), `delay_s` (between deltas), `first_finishes`
-(its prefill's token ends the request).
+(its prefill's token ends the request). Like vLLM, it refuses more than `MAX_LOGPROBS` logprobs
+(-1, "all", included) and otherwise returns as many candidates as asked, for each new token and,
+with `prompt_logprobs`, for the prompt.
 """
 
 from __future__ import annotations
@@ -19,13 +21,42 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
-from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, TokenDelta
+from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejected, TokenDelta
 from router.dispatch import Colocated, Disaggregated
 from router.errors import NodeFailed
 from router.nodes import Node, NodeClient
 from router.policies import make_policy
 from router.pools import Hearing, Pool
 from router.request import PreparedRequest
+
+MAX_LOGPROBS = 20
+"""vLLM's default `max_logprobs`."""
+
+
+def _asked(params: Any, name: str) -> int | None:
+    value = getattr(params, name, None)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise RequestRejected(
+            f"Requested {name} of {value}, which is greater than max allowed: {MAX_LOGPROBS}"
+        )
+    return value
+
+
+def _candidates(token_id: int, count: int) -> list:
+    """The token itself, then `count` made-up top candidates."""
+    return [(token_id, -0.5, 1, f" t{token_id}")] + [
+        (5000 + rank, -1.0 - rank, rank + 1, f" c{rank}") for rank in range(count)
+    ]
+
+
+def _with_logprobs(plan: list[TokenDelta], prompt: list[int], params: Any) -> list[TokenDelta]:
+    sample, ranked = _asked(params, "logprobs"), _asked(params, "prompt_logprobs")
+    if sample is not None:
+        plan = [replace(d, logprobs=[_candidates(d.token_ids[0], sample)]) for d in plan]
+    if ranked is not None and plan:
+        positions = [None] + [_candidates(t, ranked) for t in prompt[1:]]
+        plan[0] = replace(plan[0], prompt_logprobs=positions)
+    return plan
 
 
 @dataclass
@@ -94,6 +125,7 @@ class FakeNode(NodeClient):
             handle = {"node": self.name, "request": request_id} if method == "prefill" else None
             plan[-1] = TokenDelta(plan[-1].token_ids, plan[-1].text, finish, None, 0, handle)
         plan = [replace(delta, num_prompt_tokens=len(prompt)) for delta in plan]
+        plan = _with_logprobs(plan, prompt, params)
         try:
             for index, delta in enumerate(plan):
                 if self.die_after is not None and index >= self.die_after:

@@ -196,9 +196,17 @@ def test_producer_dying_mid_transfer_is_a_reset(producer):
     server.plane.rate_limit = 2e6  # ~1.5 MB at 2 MB/s: long enough to cut
     _, client = consumer()
     table.offer("req-6", list(range(6)), time.time() + 30)
+    sending = threading.Event()
+    pace = server.plane.pace
+
+    def paced(started: float, sent: int) -> None:
+        sending.set()  # the blocks are on their way
+        pace(started, sent)
+
+    server.plane.pace = paced
 
     def cut() -> None:
-        time.sleep(0.2)
+        assert sending.wait(10)
         server.close()
 
     killer = threading.Thread(target=cut)

@@ -456,3 +456,16 @@ async def test_both_faces_speak_mutual_tls_when_configured(router, tmp_path):
         server.should_exit = True
         await task
     assert router.service.admission.outstanding == 0
+
+
+async def test_requests_drawn_from_the_schemas_get_no_5xx_from_the_router(router):
+    """The fuzzing tier's requests (tests/helpers/fuzz.py) against the router over fake nodes:
+    every refusal a 4xx with a JSON error, nothing 5xx, nothing unanswered. (The e2e tier sends
+    them to real engines.)"""
+    from tests.helpers import fuzz
+
+    router.reset()
+    report = await asyncio.to_thread(fuzz.run, router.url, AUTH, "smol", 150, 7, LIMIT)
+    assert report.problems() == []
+    assert report.summary()["statuses"].get("200", 0) > 50
+    assert router.service.admission.outstanding == 0
