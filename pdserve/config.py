@@ -246,6 +246,10 @@ class RouterConfig(_Strict):
     max_connections: int = Field(4096, gt=0)
     """HTTP connections and requests in progress at once (503 beyond), and gRPC calls at once
     (RESOURCE_EXHAUSTED beyond)."""
+    max_connections_per_client: int = Field(1024, gt=0)
+    """Of those, at most this many from one client address (HTTP: 429 and the connection closed;
+    gRPC: RESOURCE_EXHAUSTED). Behind a proxy every client shares its address: raise this to
+    `max_connections` there."""
     header_timeout_s: float = Field(10.0, gt=0)
     """An HTTP connection that has not sent a request's whole head this long after connecting
     (or after the request's first byte) is closed."""

@@ -208,7 +208,13 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
     host, key, limit = router.host, router.api_key, router.max_request_bytes
     tls = router.tls.files() if router.tls else None
     grpc_server, grpc_port, grpc_health = await create_server(
-        service, f"{host}:{router.grpc_port}", key, limit, router.max_connections, tls
+        service,
+        f"{host}:{router.grpc_port}",
+        key,
+        limit,
+        router.max_connections,
+        tls,
+        router.max_connections_per_client,
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
     app = create_app(service, key, limit, router.body_timeout_s)
@@ -220,6 +226,7 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
             router.max_connections,
             router.header_timeout_s,
             tls=tls,
+            per_client=router.max_connections_per_client,
         )
     )
     loop = asyncio.get_running_loop()

@@ -24,7 +24,7 @@ from pdserve.tls import ServerFiles, read_bytes
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.auth import authorized
-from router.connections import grpc_options
+from router.connections import PerClient, grpc_options
 from router.errors import InvalidRequest, PoolUnavailable, RequestError, Unauthorized
 from router.service import RouterService
 
@@ -105,12 +105,35 @@ def _logprobs(delta: TokenDelta) -> list[pb.TokenLogprobs]:
     return out
 
 
+def _peer_host(peer: str) -> str:
+    """The address in gRPC's peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000")."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        rest = rest.rsplit(":", 1)[0]
+    return rest.strip("[]")
+
+
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, service: RouterService, api_key: str | None) -> None:
+    def __init__(
+        self, service: RouterService, api_key: str | None, per_client: PerClient | None = None
+    ) -> None:
         self.service = service
         self.api_key = api_key
+        self.per_client = per_client or PerClient(1 << 30)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        client = _peer_host(context.peer() or "")
+        if not self.per_client.take(client):
+            error = self.per_client.refusal(client, "calls")
+            self.service.rejected("grpc", error)
+            await context.abort(_status(error), error.message)
+        try:
+            async for reply in self._generate(request, context):
+                yield reply
+        finally:
+            self.per_client.give(client)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             self._check_auth(context)
             kind, body = _body(request)
@@ -187,12 +210,14 @@ async def create_server(
     max_request_bytes: int = 4 << 20,
     max_calls: int = 4096,
     tls: ServerFiles | None = None,
+    per_client: int | None = None,
 ) -> tuple[grpc.aio.Server, int, Any]:
     """Build and start the gRPC server; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(
         options=grpc_options(max_request_bytes), maximum_concurrent_rpcs=max_calls
     )
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(service, api_key), server)
+    generation = GenerationService(service, api_key, PerClient(per_client or max_calls))
+    pb_grpc.add_GenerationServicer_to_server(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

@@ -469,3 +469,63 @@ async def test_requests_drawn_from_the_schemas_get_no_5xx_from_the_router(router
     assert report.problems() == []
     assert report.summary()["statuses"].get("200", 0) > 50
     assert router.service.admission.outstanding == 0
+
+
+async def test_one_client_address_holds_only_its_share(router):
+    """router.max_connections_per_client: a third HTTP connection from one address gets 429 and
+    is closed while two are open; a second gRPC call at once from one address gets
+    RESOURCE_EXHAUSTED; each place comes back when its connection or call ends."""
+    import uvicorn
+
+    from router.connections import uvicorn_config
+
+    router.reset()
+    app = create_app(router.service, KEY, LIMIT_BYTES)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, 64, 5, "error", per_client=2))
+    task = asyncio.create_task(server.serve())
+    grpc_server, grpc_port, _ = await create_server(
+        router.service, "127.0.0.1:0", KEY, per_client=1
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        refused = await asyncio.wait_for(reader.read(), 10)  # answered, then closed
+        writer.close()
+        assert refused.startswith(b"HTTP/1.1 429")
+        body = json.loads(refused.split(b"\r\n\r\n", 1)[1])
+        assert "router.max_connections_per_client: 2" in body["error"]["message"]
+        for _, writer in held:
+            writer.close()
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as client:
+            ok = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+        router.nodes["d0"].delay_s = 0.2
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=10))
+        auth = (("authorization", f"Bearer {KEY}"),)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            first = stub.Generate(request, metadata=auth)
+            await first.read()  # the first call is under way
+            with pytest.raises(grpc.aio.AioRpcError) as second:
+                [r async for r in stub.Generate(request, metadata=auth)]
+            assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "too many calls at once" in second.value.details()
+            while (reply := await first.read()) is not grpc.aio.EOF:
+                last = reply
+            assert last.finish_reason == "length"
+            router.nodes["d0"].delay_s = 0.0
+            again = [r async for r in stub.Generate(request, metadata=auth)]
+            assert again[-1].usage.completion_tokens == 10
+    finally:
+        router.nodes["d0"].delay_s = 0.0
+        await grpc_server.stop(grace=1)
+        server.should_exit = True
+        await task
+    assert router.service.admission.outstanding == 0
