@@ -125,8 +125,9 @@ def test_the_kv_crosses_on_mutual_tls(client, server):
     """The decode node pulls each prompt's KV from the prefill node over TLS: the pull lands
     (bytes counted on both sides, no failure) and the output is the same as ever."""
 
-    def moved(direction: str) -> float:
-        return metric(server, "pdserve_kv_transfer_bytes_total", direction=direction)
+    def moved(direction: str) -> float:  # prefill nodes send, decode nodes receive
+        pool = "prefill" if direction == "sent" else "decode"
+        return metric(server, "pdserve_kv_transfer_bytes_total", direction=direction, pool=pool)
 
     def failures() -> float:  # every reason on every node
         from prometheus_client.parser import text_string_to_metric_families

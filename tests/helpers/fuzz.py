@@ -10,7 +10,8 @@ Each request is one of two kinds:
   added, each drawn from its own sub-schema — so odd values reach the engines, not only the
   validation.
 Fields that only make a request long (`max_tokens`, `min_tokens`, `n`) are folded into small
-ranges so that thousands of requests fit in minutes; the refusals of their extremes are in the
+ranges, and a request that leaves its length unset gets 16 tokens, so that thousands of requests
+fit in minutes; the refusals of their extremes are in the
 hostile list (`HOSTILE`), sent as they are.
 
 What must hold (`Report.problems`): no 5xx (status or a streamed error event), every 4xx with a
@@ -198,6 +199,9 @@ def draw(count: int, seed: int) -> list[tuple[str, str, dict]]:
 
 
 def _fold(body: dict) -> dict:
+    if not isinstance(body.get("max_completion_tokens"), int):
+        if not isinstance(body.get("max_tokens"), int):  # unset: the rest of the context
+            body["max_tokens"] = FOLD["max_tokens"]
     for name, limit in FOLD.items():
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
