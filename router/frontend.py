@@ -7,6 +7,7 @@ This is the boundary: vLLM's OpenAI pydantic request classes come in, a plain do
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import uuid
 from typing import Any
@@ -16,6 +17,42 @@ from pydantic import ValidationError
 from router.errors import InvalidRequest, ModelNotFound
 from router.fields import refused_field
 from router.request import PreparedRequest, ResponseShape
+
+WIRE_INTS = (-(1 << 63), (1 << 64) - 1)
+"""The integers msgpack carries (vLLM sends a request to its EngineCore as msgpack): a larger
+one in any field would fail there, after admission, as a server error."""
+
+
+def _fields(value: Any) -> dict | None:
+    """A struct's or dataclass's fields by name (None for anything else)."""
+    names = getattr(type(value), "__struct_fields__", None)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [f.name for f in dataclasses.fields(value)]
+    return None if names is None else {name: getattr(value, name, None) for name in names}
+
+
+def _wide_int(value: Any) -> bool:
+    """Whether an integer outside `WIRE_INTS` is anywhere in `value`."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not WIRE_INTS[0] <= value <= WIRE_INTS[1]
+    if isinstance(value, dict):
+        return any(_wide_int(k) or _wide_int(v) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_wide_int(item) for item in value)
+    fields = _fields(value)
+    return fields is not None and any(_wide_int(v) for v in fields.values())
+
+
+def _check_wire_ints(params: Any) -> None:
+    for name, value in (_fields(params) or {}).items():
+        try:
+            wide = _wide_int(value)
+        except RecursionError:
+            raise InvalidRequest(f"{name} is nested too deeply", name) from None
+        if wide:
+            raise InvalidRequest(f"{name} holds an integer outside [-2**63, 2**64 - 1]", name)
 
 
 def _validation_message(error: ValidationError) -> tuple[str, str | None]:
@@ -111,6 +148,7 @@ class Frontend:
             params = request.to_sampling_params(max_tokens, {})
         except _client_errors() as error:  # SamplingParams' own checks (temperature < 0, ...)
             raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
+        _check_wire_ints(params)
         if echo_only:
             params.max_tokens = 1  # vLLM's "echo without generation" runs one step
         prefix = "cmpl" if kind == "completion" else "chatcmpl"

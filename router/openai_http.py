@@ -164,6 +164,13 @@ def create_app(
     async def _request_error(_: Request, error: RequestError) -> JSONResponse:
         return _error_response(error)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        """A fault nothing else caught (a bug): logged with its traceback, answered as a JSON
+        500 like every other error."""
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return _error_response(RequestError(f"internal error: {type(error).__name__}"))
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         """Liveness for anyone; the detail (pools, nodes, load) only with the key."""

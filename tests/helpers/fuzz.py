@@ -257,7 +257,10 @@ def send(url: str, headers: dict, name: str, path: str, body: object) -> Answer:
             text = response.read().decode(errors="replace")
     except httpx.HTTPError as error:
         return Answer(name, 0, time.monotonic() - started, f"no answer: {error!r}")
-    return Answer(name, response.status_code, time.monotonic() - started, _judge(response, text))
+    problem = _judge(response, text)
+    if problem:  # what was sent, to replay it
+        problem += f" — sent {raw[:400]!r}"
+    return Answer(name, response.status_code, time.monotonic() - started, problem)
 
 
 def health(url: str, headers: dict) -> dict:

@@ -127,6 +127,8 @@ async def test_chat_first_chunk_names_the_role(http):
         ({"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"max_tokens": 3}, 400, "prompt"),
+        # found by the fuzzing tier: past msgpack's range it failed in the engine as a 500
+        ({"prompt": "hi", "stream_interval": 2**70}, 400, "stream_interval holds an integer"),
     ],
 )
 async def test_bad_input_gets_a_json_error(http, body, status, says):
@@ -529,3 +531,18 @@ async def test_one_client_address_holds_only_its_share(router):
         server.should_exit = True
         await task
     assert router.service.admission.outstanding == 0
+
+
+async def test_an_unexpected_fault_is_a_json_500_and_gives_its_slot_back(http, router, monkeypatch):
+    def broken(kind, body):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(router.service.frontend, "prepare", broken)
+    response = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": "internal error: RuntimeError",
+        "type": "internal_error",
+        "param": None,
+        "code": 500,
+    }
