@@ -6,13 +6,16 @@
 - the bench drives it;
 - the seam in bf16, where exact comparisons do not hold across CPUs: what must hold does
   (structured output parses and obeys its schema, a choice is one of the choices, a stop string
-  spanning the first token stops the request and is absent, n sequences come back).
+  spanning the first token stops the request and is absent, n sequences come back);
+- last, the fuzzing tier: requests drawn from the API's own schemas and the hostile list
+  (tests/helpers/fuzz.py): no 5xx, no engine replaced, nothing held afterwards.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import shutil
 import socket
@@ -472,3 +475,20 @@ def test_calibrate_fits_the_engines_own_steps(server, tmp_path):
         assert re.search(
             rf'pdserve_node_predicted_busy_seconds_total{{model="roofline",node="{node}"', scrape
         )
+
+
+# ---- the fuzzing tier (last: it leaves nothing behind, and the tests above count requests) -----
+
+FUZZ_REQUESTS = int(os.environ.get("PDSERVE_FUZZ_REQUESTS", "200"))
+
+
+def test_drawn_and_hostile_requests_get_no_5xx_kill_nothing_and_leave_nothing_held(server):
+    from tests.helpers import fuzz
+
+    report = fuzz.run(server.url, server.headers, server.model, FUZZ_REQUESTS, seed=FUZZ_REQUESTS)
+    summary = report.summary()
+    print("fuzz:", summary)
+    assert summary["requests"] == FUZZ_REQUESTS + len(fuzz.HOSTILE)
+    assert report.problems() == []
+    # the run reached the engines, not only the validation
+    assert summary["statuses"].get("200", 0) > FUZZ_REQUESTS // 3

@@ -467,9 +467,9 @@ async def test_requests_drawn_from_the_schemas_get_no_5xx_from_the_router(router
     from tests.helpers import fuzz
 
     router.reset()
-    report = await asyncio.to_thread(fuzz.run, router.url, AUTH, "smol", 150, 7, LIMIT)
+    report = await asyncio.to_thread(fuzz.run, router.url, AUTH, "smol", 100, 7, LIMIT)
     assert report.problems() == []
-    assert report.summary()["statuses"].get("200", 0) > 50
+    assert report.summary()["statuses"].get("200", 0) > 30
     assert router.service.admission.outstanding == 0
 
 
