@@ -139,6 +139,9 @@ def test_each_pool_lives_on_its_hosts_and_kv_crosses_the_links(cluster):
 def test_a_decode_hosts_cable_pulled_mid_stream_continues_on_the_other(cluster):
     reference = stream(cluster, 160)  # uncut, alone: what every stream below must equal
     assert reference.usage["completion_tokens"] == 160
+    # the decode pool weighs a node's last reported running sequences too: until a health check
+    # has seen the reference stream end, its host looks busy and may not get a stream below
+    wait_for(lambda: all(n["running"] == 0 for n in nodes(cluster, "decode")), 30, "idle")
     streams, threads = start_streams(cluster, 2, 160)
     busy = {cluster.node_host(n["pid"]) for n in nodes(cluster, "decode") if n["outstanding"]}
     assert busy == {"decode0", "decode1"}  # one stream on each decode host
