@@ -259,7 +259,9 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument("--rate", type=float, default=1.0, help="requests/s to size pools for")
     plan.add_argument("--ttft-slo", type=float, help="time-to-first-token SLO in seconds")
     plan.add_argument("--tpot-slo", type=float, help="time-per-output-token SLO in seconds")
-    plan.add_argument("--json", action="store_true", help="machine-readable output (README keys)")
+    plan.add_argument(
+        "--json", action="store_true", help="machine-readable output (keys in docs/planner.md)"
+    )
     plan.add_argument("--plot", metavar="FILE.png", help="write a roofline chart")
     plan.set_defaults(func=_cmd_plan)
     actions = plan.add_subparsers(dest="plan_command", metavar="[calibrate]", required=False)

@@ -23,7 +23,8 @@ DEFAULT_MODEL = "default"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # the docstring under each field is its description: docs/configuration.md is made of them
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class EngineConfig(_Strict):
@@ -133,6 +134,8 @@ class AutoscaleConfig(_Strict):
     resources (and hosts) of the pool they started in."""
 
     enabled: bool = False
+    """Move nodes between the pools (and, with `add_above` / `remove_below`, add and stop
+    nodes). Off: the pools keep the nodes they start with."""
     interval_s: float = Field(5.0, gt=0)
     """How often the balance is checked."""
     cooldown_s: float = Field(30.0, ge=0)
@@ -144,9 +147,13 @@ class AutoscaleConfig(_Strict):
     min_pressure: float = Field(0.5, ge=0)
     """...and the heavier pool uses at least this share of its budget."""
     min_prefill: int = Field(1, ge=0)
+    """Fewest nodes the prefill pool keeps (0: the decode nodes may prefill for themselves)."""
     min_decode: int = Field(1, ge=1)
+    """Fewest nodes the decode pool keeps."""
     max_prefill: int | None = Field(None, ge=1)
+    """Most nodes the prefill pool may have. None: no bound but the cluster."""
     max_decode: int | None = Field(None, ge=1)
+    """Most nodes the decode pool may have. None: no bound but the cluster."""
     add_above: float | None = Field(None, gt=0)
     """Replicas: when both pools' pressures reach this, start one more node (in the heavier
     pool's resources) if the Ray cluster has them free. None: the number of nodes is fixed."""
@@ -154,6 +161,7 @@ class AutoscaleConfig(_Strict):
     """Replicas: when both pools' pressures have stayed below this for `remove_after_s`, stop a
     node of the lighter pool above its minimum, once it has drained. None: never."""
     remove_after_s: float = Field(60.0, ge=0)
+    """How long both pools must stay below `remove_below` before a node is stopped."""
 
     @model_validator(mode="after")
     def _thresholds_in_order(self) -> AutoscaleConfig:
@@ -203,6 +211,7 @@ class RouterTLSConfig(_Strict):
     cert_file: str
     """The router's certificate (with any intermediates after it)."""
     key_file: str
+    """Its private key."""
     client_ca_file: str | None = None
     """If set, every client must present a certificate this CA signed (mutual TLS)."""
 
@@ -222,6 +231,7 @@ class KVTLSConfig(_Strict):
     cert_file: str
     """This host's certificate, presented to peers as server and as client."""
     key_file: str
+    """Its private key."""
     ca_file: str
     """The cluster's CA: peers whose certificate it did not sign are refused."""
     check_hostname: bool = True
@@ -231,10 +241,14 @@ class KVTLSConfig(_Strict):
 
 
 class RouterConfig(_Strict):
+    """The one process clients talk to: its faces, its bounds, and how it routes and retries."""
+
     host: str = "127.0.0.1"
     """Address the HTTP and gRPC servers bind to. Loopback unless told otherwise."""
     http_port: int = Field(8000, ge=0, le=65535)
+    """Port of the OpenAI-compatible HTTP API, /health and /metrics (0: a free port)."""
     grpc_port: int = Field(50051, ge=0, le=65535)
+    """Port of the gRPC API (0: a free port)."""
     api_key: str | None = Field(default_factory=lambda: os.environ.get("PDSERVE_API_KEY") or None)
     """If set, clients must send `Authorization: Bearer <key>` (HTTP) or the same gRPC metadata,
     for /metrics and the detailed /health too. Default: $PDSERVE_API_KEY (keep keys out of
@@ -353,6 +367,8 @@ class KVTransferConfig(_Strict):
 
 
 class RayConfig(_Strict):
+    """The Ray cluster the nodes live on."""
+
     address: str | None = None
     """Existing cluster to join (`ray://` or `host:port`). None: start a local Ray."""
     num_cpus: int | None = Field(None, gt=0)
@@ -429,3 +445,99 @@ def load_config(path: str | Path | None) -> PDServeConfig:
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
     return parse_config(data, str(path))
+
+
+def reference() -> str:
+    """The configuration reference in Markdown, from the models themselves: one table per
+    section, each field with its type, its default and its docstring (docs/configuration.md
+    holds it; `python scripts/gen_config_docs.py` rewrites it there)."""
+    out: list[str] = []
+    _reference_section(PDServeConfig, None, "", out)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _reference_section(
+    model: type[BaseModel], defaults: BaseModel | None, prefix: str, out: list[str]
+) -> None:
+    """One section's table, then its sub-sections'. `defaults` is the section's default value
+    where its parent sets one (the pools differ from `PoolConfig`'s own defaults)."""
+    nested: list[tuple[str, type[BaseModel], BaseModel | None]] = []
+    rows = []
+    for name, field in model.model_fields.items():
+        inner = _model_of(field.annotation)
+        if inner is not None and field.default is not None:  # a section, always present
+            default = field.default if isinstance(field.default, BaseModel) else None
+            nested.append((prefix + name, inner, default))
+            continue
+        if inner is not None:  # an optional section: a row here, its fields below
+            nested.append((prefix + name, inner, None))
+        value = _default(field, defaults, name)
+        meaning = " ".join((field.description or "").split()).replace("|", "\\|")
+        rows.append(f"| `{name}` | {_type_name(field.annotation)} | {value} | {meaning} |")
+    out.append(f"### `{prefix.rstrip('.') or 'top level'}`\n")
+    doc = " ".join((model.__doc__ or "").split())
+    if doc and model is not PDServeConfig:
+        out.append(doc + "\n")
+    if rows:
+        out += ["| field | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+    for name, inner, default in nested:
+        _reference_section(inner, default, name + ".", out)
+
+
+def _model_of(annotation: object) -> type[BaseModel] | None:
+    from typing import get_args
+
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _type_name(annotation: object) -> str:
+    from typing import get_args, get_origin
+
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return " \\| ".join(f"`{value}`" for value in get_args(annotation))
+    if isinstance(annotation, type):
+        return "section" if issubclass(annotation, BaseModel) else annotation.__name__
+    args = [_type_name(arg) for arg in get_args(annotation) if arg is not type(None)]
+    if origin is list:
+        return f"list of {args[0]}"
+    if origin is dict:
+        return f"map {args[0]} → {args[1]}"
+    name = " \\| ".join(args) if args else str(annotation)
+    return f"{name} or null" if type(None) in get_args(annotation) else name
+
+
+def _default(field, defaults: BaseModel | None, name: str) -> str:
+    if name == "api_key":
+        return "`$PDSERVE_API_KEY`"
+    if field.is_required():
+        return "required"
+    if defaults is not None:
+        value = getattr(defaults, name)
+    elif field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        value = field.default
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return f"`{str(value).lower()}`"
+    if value == [] or value == {}:
+        return "none"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value >= 1024 and value & (value - 1) == 0:
+        unit = f"{value >> 10} Ki" if value < 1 << 20 else f"{value >> 20} Mi"
+        return f"`{value}` ({unit})"
+    if isinstance(value, (list, dict)):
+        import json
+
+        def whole(v: object) -> object:
+            return int(v) if isinstance(v, float) and v.is_integer() else v
+
+        items = {k: whole(v) for k, v in value.items()} if isinstance(value, dict) else value
+        return f"`{json.dumps(items)}`"
+    return f"`{value}`"

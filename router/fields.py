@@ -1,4 +1,4 @@
-"""Which request fields pdserve refuses, and why — the one list (the README's API section quotes
+"""Which request fields pdserve refuses, and why — the one list (docs/api.md quotes
 it). Every other field vLLM 0.32 accepts on /v1/completions and /v1/chat/completions behaves as
 on one vLLM engine; these get a 400 naming the field instead of being silently ignored.
 

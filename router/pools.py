@@ -1,6 +1,7 @@
 """A pool of engine nodes: choosing one, calling it under a deadline, and keeping membership live.
 
-`Pool.stream` is the only place the router calls a node: it counts the call against the node
+`Pool.stream` is where a request reaches a node (the admin paths — health, stats, step records,
+give-back — are plain calls beside it): it counts the call against the node
 (requests and prompt tokens in flight, which the policies read), enforces the request's
 deadline, turns a node failure into `NodeFailed` naming the pool and node (and takes the node out
 of the pool), and cancels the node-side request when the caller stops listening (client gone,

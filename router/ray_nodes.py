@@ -3,7 +3,7 @@
 Ray reports a dead or restarting actor as `ActorDiedError` / `ActorUnavailableError` (within
 milliseconds of the process dying); both become `NodeFailed`, and so does `EngineDown` (the
 actor lives but its engine died). Other exceptions the node's own code raised (`KVLoadFailed`,
-`RequestRejected`) arrive as themselves. A stream closed before its last delta is
+`RequestRejected`) arrive as themselves. A stream closed before the node's generator ended is
 cancelled with `ray.cancel`: vLLM sees `CancelledError` and aborts the request.
 """
 
@@ -31,18 +31,20 @@ class RayNodeClient(NodeClient):
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
         call = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
-        finished = False
+        ended = False  # the node's generator ran out: nothing left there to cancel
         try:
             async for ref in call:
                 delta: TokenDelta = await ref
-                finished = delta.finish_reason is not None
                 yield delta
+            ended = True
         except NODE_FAILURES as error:
             raise NodeFailed(type(error).__name__, died=isinstance(error, ActorDiedError)) from None
         except EngineDown as error:
             raise NodeFailed(error.message, died=True) from None
         finally:
-            if not finished:
+            # a delta with a finish reason is not the end: with n > 1 the other sequences
+            # still run there, and a caller leaving now must stop them too
+            if not ended:
                 ray.cancel(call)
                 logger.info("%s call %s cancelled on the node", method, args[0] if args else "")
 

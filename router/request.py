@@ -40,7 +40,9 @@ class PreparedRequest:
     """"completion" or "chat": which response shape the edge builds."""
     prompt_token_ids: list[int]
     sampling_params: Any
-    """vLLM `SamplingParams` (opaque here: only the nodes read them, and the seam policy)."""
+    """vLLM `SamplingParams`, as the client's fields make them. The router reads them (the seam
+    policy, the dispatcher, the limits, the response shapes) but changes only copies: a resumed
+    stream's continuation (`seam.continued`); each node derives its leg's own."""
     stream: bool
     shape: ResponseShape = field(default_factory=ResponseShape)
     arrival: float = field(default_factory=time.monotonic)

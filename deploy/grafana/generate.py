@@ -101,7 +101,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
                 unit="percentunit",
                 description="GPU only: NVML's utilization.gpu and utilization.memory per node. "
-                "DCGM's SM active (1002) and DRAM active (1005) are finer; see the README.",
+                "DCGM's SM active (1002) and DRAM active (1005) are finer; see docs/metrics.md.",
             ),
         ],
     ),

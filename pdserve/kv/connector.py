@@ -10,7 +10,8 @@ vLLM builds one instance per role: SCHEDULER (EngineCore process) and WORKER (ea
 process). Each instance holds the halves its `kv_role` asks for: the producer half lives with the
 prefill node (`prefill_node/kv_producer.py`), the consumer half with the decode node
 (`decode_node/kv_consumer.py`); `kv_both` holds both. The halves are looked up by name and
-imported lazily (`HALVES`), like the data planes, so this shared package imports neither role.
+imported lazily (`HALVES`), like the data planes: this shared package names both roles' modules
+but has no import of either, and a process loads only the halves its role needs.
 Transfers are whole-request and pulled by the consumer after the prefill finished, so the
 per-layer hooks have nothing to do.
 

@@ -1,7 +1,7 @@
 """`pdserve plan`: the roofline model applied to one model, one device and one workload.
 
-`build_plan` returns a plain dict whose keys are the documented, stable `--json` fields (README,
-"Planner"); `format_plan` renders the same dict as readable tables.
+`build_plan` returns a plain dict whose keys are the documented, stable `--json` fields
+(docs/planner.md); `format_plan` renders the same dict as readable tables.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Chaos (tests/e2e/chaos.py): steady streamed traffic through a live router while engine
 processes are killed at random and hostile requests are mixed in; then an account of every
 request and every kill. 1P1D on this machine, and 2P2D on a multi-node Ray cluster simulated
-here. `PDSERVE_CHAOS_S` sets the traffic's length (CI runs a short one; docs/design.md and the
-README quote a longer run's figures).
+here. `PDSERVE_CHAOS_S` sets the traffic's length (CI runs a short one; docs/design.md and
+docs/api.md quote a longer run's figures).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def load(server):
     placement keeps on the decode node, long ones it sends to the prefill node on any CPU) from
     two clients until the module ends."""
     stop = threading.Event()
-    words = (REPO / "README.md").read_text().split()
+    words = (REPO / "docs" / "design.md").read_text().split()
 
     def client(seed: int) -> None:
         with httpx.Client(base_url=server.url, timeout=120) as http:

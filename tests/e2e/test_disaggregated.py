@@ -54,7 +54,7 @@ def server(default_model_dir, tmp_path_factory):
 def corpus_text() -> str:
     from tests.conftest import REPO
 
-    return (REPO / "README.md").read_text()
+    return (REPO / "docs" / "design.md").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import httpx
 
 CLIENT_TIMEOUT_S = 120.0
+DRAIN_S = 10.0
+"""A request the engines still run this long after the last answer is one the router lost."""
 FOLD = {"max_tokens": 16, "max_completion_tokens": 16, "min_tokens": 16, "n": 4}
 """Drawn integers above these are folded into 1..limit (their extremes are in HOSTILE)."""
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -113,6 +115,7 @@ class Report:
     replaced_engines: list[str] = field(default_factory=list)
     blocks_held_after: int = 0
     requests_left: int = 0
+    left_on: list[str] = field(default_factory=list)  # the nodes that still ran requests
     seconds: float = 0.0
 
     def problems(self) -> list[str]:
@@ -122,7 +125,10 @@ class Report:
         if self.blocks_held_after:
             found.append(f"{self.blocks_held_after} KV blocks held 2 s after the last answer")
         if self.requests_left:
-            found.append(f"{self.requests_left} requests still on the nodes after the run")
+            found.append(
+                f"{self.requests_left} requests still on the nodes {DRAIN_S:.0f} s after the "
+                f"last answer: {'; '.join(self.left_on)}"
+            )
         return found
 
     def summary(self) -> dict:
@@ -302,14 +308,26 @@ def _watch(url: str, headers: dict, report: Report, stop: threading.Event) -> No
                 report.unhealthy.append(f"{name}: {pool['healthy']}/{len(pool['nodes'])}")
 
 
-def _held(url: str, headers: dict) -> tuple[int, int]:
-    """(KV blocks held, requests running or waiting) over every node, as /health reports."""
-    blocks = requests = 0
+def _held(url: str, headers: dict) -> tuple[int, dict[str, dict]]:
+    """(KV blocks held over every node, the nodes running or queueing requests — name: their
+    /health view), as /health reports them."""
+    blocks, busy = 0, {}
     for pool in health(url, headers)["pools"].values():
         for node in pool["nodes"]:
             blocks += node.get("kv_blocks_held") or 0
-            requests += (node.get("running") or 0) + (node.get("waiting") or 0)
-    return blocks, requests
+            if node.get("running") or node.get("waiting"):
+                busy[node["name"]] = node
+    return blocks, busy
+
+
+def _requests_left(url: str, headers: dict, busy: dict, since: float) -> dict[str, dict]:
+    """The nodes still running requests `DRAIN_S` after `since`, polled each second: node
+    stats reach the router once a second, so a request that ended a moment ago may still
+    show."""
+    while busy and time.monotonic() < since + DRAIN_S:
+        time.sleep(1.0)
+        busy = _held(url, headers)[1]
+    return busy
 
 
 def run(
@@ -344,8 +362,16 @@ def run(
         stop.set()
         watcher.join()
     report.seconds = time.monotonic() - started
-    time.sleep(2.0)  # the target: nothing held 2 s after the last answer
-    report.blocks_held_after, report.requests_left = _held(url, headers)
+    last = time.monotonic()
+    time.sleep(2.0)  # the target: no KV block held 2 s after the last answer
+    report.blocks_held_after, busy = _held(url, headers)
+    left = _requests_left(url, headers, busy, last)
+    report.requests_left = sum(node["running"] + node["waiting"] for node in left.values())
+    report.left_on = [
+        f"{name} running {node['running']}, waiting {node['waiting']} (requests started "
+        f"{node['requests_total']}; the router has {node['outstanding']} outstanding there)"
+        for name, node in left.items()
+    ]
     after = engine_processes(url, headers)
     report.replaced_engines = [
         f"{name}: {before[name]} -> {after.get(name)}"

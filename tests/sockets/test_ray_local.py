@@ -30,3 +30,62 @@ def test_serve_starts_its_own_ray_whatever_cluster_the_machine_last_started():
         )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "OWN 1.0 1.0" in done.stdout
+
+
+EARLY_CLOSE = """
+import asyncio, time
+import ray
+from pdserve.engine.types import TokenDelta
+from router.ray_nodes import RayNodeClient
+
+@ray.remote
+class Node:
+    def __init__(self):
+        self.ended = None
+
+    async def generate(self, request_id):
+        try:
+            yield TokenDelta([1], "a", finish_reason="length", index=0)  # sequence 0 is done
+            await asyncio.sleep(3600)  # sequence 1 still decoding
+            yield TokenDelta([2], "b", finish_reason="length", index=1)
+        except asyncio.CancelledError:
+            self.ended = "cancelled"
+            raise
+
+    async def ended_how(self):
+        return self.ended
+
+async def main():
+    node = Node.remote()
+    client = RayNodeClient(node)
+    stream = client.stream("generate", "r1")
+    first = await anext(stream)
+    assert first.finish_reason == "length" and first.index == 0
+    await stream.aclose()  # the caller leaves while sequence 1 runs
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if await node.ended_how.remote() == "cancelled":
+            print("CANCELLED")
+            return
+        await asyncio.sleep(0.1)
+    print("STILL RUNNING")
+
+ray.init(num_cpus=1, include_dashboard=False)
+asyncio.run(main())
+ray.shutdown()
+"""
+
+
+def test_a_caller_leaving_after_one_of_n_sequences_ended_stops_the_rest_on_the_node():
+    with tempfile.TemporaryDirectory(prefix="pdr-", dir="/tmp") as short:
+        env = dict(os.environ, RAY_TMPDIR=short, RAY_AUTH_MODE="disabled")
+        done = subprocess.run(
+            [sys.executable, "-c", EARLY_CLOSE],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CANCELLED" in done.stdout, done.stdout[-2000:]
