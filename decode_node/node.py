@@ -10,7 +10,8 @@ Life of a request here:
    prompt's KV blocks into this engine's paged cache (`kv_client.py`): with `kv_transfer.load:
    sync` (the default) at the start of the step that admits the request, which then decodes
    it; with `async` beside the steps, the request waiting in WAITING_FOR_REMOTE_KVS meanwhile.
-   Decoding then continues exactly as one engine would after its own prefill (without a first token, vLLM recomputes the last prompt position to sample from).
+   Decoding then continues exactly as one engine would after its own prefill (without a
+   first token, vLLM recomputes the last prompt position to sample from).
 3. If the pull fails, `kv_transfer.failure_policy` decides: `recompute` computes the prefill
    here (the client sees nothing), `fail` ends the request with `KVLoadFailed` naming the reason.
 Without a handle — the router's fallback when no prefill node is healthy — the node serves the

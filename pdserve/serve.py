@@ -133,7 +133,7 @@ def _start_pools(
 
 def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list]):
     """The router's pools (nodes reached through Ray) and the dispatcher over them."""
-    from router.dispatch import Colocated, Disaggregated
+    from router.dispatch import Dispatcher
     from router.nodes import Node
     from router.placement import Placement
     from router.policies import make_policy
@@ -156,11 +156,11 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
         for name, actors in pools.items()
     }
     if config.mode == "colocated":
-        return Colocated(built["colocated"])
+        return Dispatcher.colocated(built["colocated"])
     placement = Placement.from_config(
         config.router.placement, step_cap_tokens=config.engine.long_prefill_token_threshold
     )
-    return Disaggregated(
+    return Dispatcher.disaggregated(
         built["prefill"], built["decode"], config.router.prefill_fallback, placement=placement
     )
 

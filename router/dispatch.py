@@ -1,25 +1,21 @@
-"""Where a prepared request runs: colocated (one pool) or disaggregated (prefill, then decode).
+"""Carrying out a request's route: one node whole, or a prefill leg then a decode leg.
 
-A dispatcher runs a request once, on the nodes it places it on, and yields its deltas; it never
-retries (router/retry.py decides whether a failed run runs again).
+A dispatcher asks `Routing` (router/routing.py) where a request runs — the one decision — and
+runs it there once, yielding its deltas; it never retries (router/retry.py decides whether a
+failed run runs again, and each run is routed anew). An observer (the router's metrics) is told
+each route and each hand-over's gap, as data.
 
-Disaggregated, the life of one request (`RouterService.open` already refused it with 503 if no
-node could serve it):
-1. A decode node is chosen first, then where the prompt is computed (router/placement.py):
-   `local` — the decode node serves the whole request as one engine would, and steps 2–3 do not
-   happen; `remote` — steps 2 and 3.
-2. A prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg
-   (for `n` legs when the request asks for n sequences). Where the seam policy (router/seam.py)
-   says the prefill samples the first token, that token goes to the client at once (the time to
+A split route, step by step:
+1. The prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg
+   (for `n` legs when the request asks for n sequences). Where the route says the prefill
+   samples the first token (router/seam.py), that token goes to the client at once (the time to
    first token is the prefill's); if the request finished there (EOS or a stop token), that is
    all.
-3. The decode node gets the prompt, the first token when there is one, and the handle
+2. The decode node gets the prompt, the first token when there is one, and the handle
    (`DecodeNode.decode`); it pulls the KV and streams the rest — or, without a first token,
    every token.
-`max_tokens: 1` is served by a prefill node alone, and a request that needs prompt logprobs by
-the decode node alone. Degraded: with no healthy prefill node, the decode node serves the whole
-request itself (`prefill_fallback`, or 503 when it is off); with no healthy decode node, a
-prefill node does. 503 only when neither pool has a healthy node.
+KV the prefill node keeps for a decode leg that will not read it to the end (the client left,
+the decode node failed) is given back at once.
 """
 
 from __future__ import annotations
@@ -30,105 +26,95 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.engine.types import KVLoadFailed, TokenDelta
 from router import seam
-from router.errors import EngineFailed, KVTransferFailed, PoolUnavailable
+from router.errors import EngineFailed, KVTransferFailed
 from router.nodes import Node
-from router.placement import LOCAL, Placement
+from router.placement import Placement
 from router.pools import Pool
 from router.request import PreparedRequest
+from router.routing import Route, Routing
 
 logger = logging.getLogger(__name__)
 
 
-class Colocated:
-    mode = "colocated"
+class RouteObserver(Protocol):
+    def routed(self, route: Route) -> None:
+        """A request is about to run on `route`."""
 
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-        self.pools = {pool.name: pool}
-
-    def check_available(self) -> None:
-        if not self.pool.healthy_nodes():
-            raise PoolUnavailable(f"no healthy node in the {self.pool.name} pool")
-
-    def deltas(self, prepared: PreparedRequest, deadline: float) -> AsyncIterator[TokenDelta]:
-        return _relay(self.pool, self.pool.pick(), "generate", prepared, deadline)
+    def handed_over(self, seconds: float) -> None:
+        """A hand-over's gap: the prefill leg's end to the decode node's first token."""
 
 
-class Disaggregated:
-    mode = "disaggregated"
-
-    def __init__(
-        self,
-        prefill: Pool,
-        decode: Pool,
-        prefill_fallback: bool,
-        on_fallback: Any = None,
-        placement: Placement | None = None,
-    ) -> None:
-        self.prefill, self.decode = prefill, decode
-        self.pools = {prefill.name: prefill, decode.name: decode}
-        self.prefill_fallback = prefill_fallback
-        self.placement = placement or Placement("remote")
+class Dispatcher:
+    def __init__(self, routing: Routing, observer: RouteObserver | None = None) -> None:
+        self.routing = routing
+        self.observer = observer
+        self.prefill, self.decode = routing.prefill, routing.decode
+        self.mode = "colocated" if routing.prefill is None else "disaggregated"
+        self.pools = {pool.name: pool for pool in (routing.prefill, routing.decode) if pool}
         self._giving_back: set[asyncio.Task] = set()
         """KV being given back to prefill nodes (kept: a task nobody holds may be collected)."""
-        self.on_fallback = on_fallback
-        """Called once per request the decode node prefills for itself (a metric)."""
-        self.on_degraded = None
-        """Called once per request a prefill node serves whole for want of a decode node."""
-        self.on_placement = None
-        """Called with each placement `Decision` (a metric)."""
-        self.on_handover = None
-        """Called with each hand-over gap in seconds: the prefill's end to the decode node's
-        first token (a metric)."""
+
+    @classmethod
+    def colocated(cls, pool: Pool, observer: RouteObserver | None = None) -> Dispatcher:
+        """Over one pool of engines that prefill and decode."""
+        return cls(Routing(pool), observer)
+
+    @classmethod
+    def disaggregated(
+        cls,
+        prefill: Pool,
+        decode: Pool,
+        prefill_fallback: bool = True,
+        placement: Placement | None = None,
+        observer: RouteObserver | None = None,
+    ) -> Dispatcher:
+        """Over a prefill pool and a decode pool."""
+        return cls(Routing(decode, prefill, placement, prefill_fallback), observer)
+
+    @property
+    def placement(self) -> Placement:
+        return self.routing.placement
 
     def check_available(self) -> None:
-        decode, prefill = self.decode.healthy_nodes(), self.prefill.healthy_nodes()
-        if not decode and not prefill:
-            raise PoolUnavailable("no healthy node in either pool")
-        if not prefill and not self.prefill_fallback:
-            raise PoolUnavailable("no healthy node in the prefill pool (fallback is off)")
+        self.routing.check_available()
 
     async def deltas(self, prepared: PreparedRequest, deadline: float) -> AsyncIterator[TokenDelta]:
-        rid, prompt = prepared.request_id, prepared.prompt_token_ids
-        leg_id = prepared.internal_id
-        logger.debug("%s: its legs run as %s", rid, leg_id)
-        params = prepared.sampling_params
-        no_decode = not self.decode.healthy_nodes()
-        if (params.max_tokens == 1 or no_decode) and self.prefill.healthy_nodes():
-            # nothing to hand over, or nobody to hand over to: a prefill node does it all
-            if no_decode:
-                logger.warning("%s: no healthy decode node; a prefill node serves it", rid)
-                if self.on_degraded is not None:
-                    self.on_degraded()
-            async for delta in _relay(
-                self.prefill, self.prefill.pick(), "generate", prepared, deadline
-            ):
+        """Route the request now and run it there once."""
+        route = self.routing.route(len(prepared.prompt_token_ids), prepared.sampling_params)
+        logger.debug(
+            "%s: legs %s, %s (%s)",
+            prepared.request_id,
+            prepared.internal_id,
+            route.legs(),
+            route.reason,
+        )
+        if route.reason == "no_decode_node":
+            logger.warning(
+                "%s: no healthy decode node; a prefill node serves it", prepared.request_id
+            )
+        elif route.reason == "no_prefill_node":
+            logger.warning(
+                "%s: no healthy prefill node; the decode node prefills", prepared.request_id
+            )
+        if self.observer is not None:
+            self.observer.routed(route)
+        if route.split:
+            run = self._split(route, prepared, deadline)
+        else:
+            run = _relay(self.pools[route.pool], route.node, prepared, deadline)
+        async with aclosing(run):  # a caller leaving closes the legs now, not when collected
+            async for delta in run:
                 yield delta
-            return
-        decode_node = self.decode.pick()
-        placement = seam.placement(params)
-        local = placement == seam.ONE_ENGINE
-        if not local:
-            decision = self.placement.decide(len(prompt), decode_node, self.prefill.healthy_nodes())
-            local = decision.where == LOCAL
-            if decision.reason == "no_prefill_node":
-                if not self.prefill_fallback:
-                    raise PoolUnavailable("no healthy node in the prefill pool")
-                logger.warning("%s: no healthy prefill node; the decode node prefills", rid)
-                if self.on_fallback is not None:
-                    self.on_fallback()
-            elif self.on_placement is not None:
-                self.on_placement(decision)
-        if local:
-            async for delta in _relay(self.decode, decode_node, "generate", prepared, deadline):
-                yield delta
-            return
-        sample_first = placement == seam.FIRST_ON_PREFILL
-        prefill_node, first = await self._prefill(prepared, deadline, sample_first)
+
+    async def _split(
+        self, route: Route, prepared: PreparedRequest, deadline: float
+    ) -> AsyncIterator[TokenDelta]:
+        sample_first = route.first_token == seam.FIRST_ON_PREFILL
+        prefill_node, first = await self._prefill(route.prefill, prepared, deadline, sample_first)
         handed_over = time.monotonic()
         first_tokens: list[int] = []
         ended = False  # the decode leg ran to its end (it read the KV, or had none to read)
@@ -140,11 +126,11 @@ class Disaggregated:
                     return  # EOS or a stop token at the first token: no KV was kept
                 first_tokens = first.token_ids
             leg = self.decode.stream(
-                decode_node,
+                route.node,
                 "decode",
-                f"{leg_id}-d",
-                prompt,
-                params,
+                f"{prepared.internal_id}-d",
+                prepared.prompt_token_ids,
+                prepared.sampling_params,
                 first_tokens,
                 first.handle,
                 deadline=deadline,
@@ -176,17 +162,16 @@ class Disaggregated:
 
     def _handover(self, seconds: float) -> None:
         self.placement.observe_handover(seconds)
-        if self.on_handover is not None:
-            self.on_handover(seconds)
+        if self.observer is not None:
+            self.observer.handed_over(seconds)
 
     async def _prefill(
-        self, prepared: PreparedRequest, deadline: float, sample_first: bool
+        self, node: Node, prepared: PreparedRequest, deadline: float, sample_first: bool
     ) -> tuple[Node, TokenDelta]:
-        """Run the prefill leg to its end and fold its deltas into one: the first token (when
-        `sample_first`) and the handle for the decode leg(s); with the node that ran it."""
+        """Run the prefill leg on `node` to its end and fold its deltas into one: the first token
+        (when `sample_first`) and the handle for the decode leg(s); with the node that ran it."""
         tokens, text, logprobs, first, last = [], [], [], None, None
         params = prepared.sampling_params
-        node = self.prefill.pick()
         leg = self.prefill.stream(
             node,
             "prefill",
@@ -219,12 +204,12 @@ class Disaggregated:
 
 
 async def _relay(
-    pool: Pool, node: Node, method: str, prepared: PreparedRequest, deadline: float
+    pool: Pool, node: Node, prepared: PreparedRequest, deadline: float
 ) -> AsyncIterator[TokenDelta]:
-    """A whole request on one node (`method` "generate")."""
+    """A whole request on one node."""
     leg = pool.stream(
         node,
-        method,
+        "generate",
         prepared.internal_id,
         prepared.prompt_token_ids,
         prepared.sampling_params,

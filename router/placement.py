@@ -12,8 +12,9 @@ Three modes (`router.placement.mode`):
 - `adaptive` (default): remote while that meets the first-token target, local when it would not
   and local would do better without stalling the decode node. From live state,
       remote = (Qp + L) / Rp + H          local = (Qd + L) / Rd          stall = min(L, cap) / Rd
-  where L is the prompt's length, Qp / Qd the prompt tokens the router has sent the
-  least-loaded prefill node / the decode node to compute and not yet seen a token of, Rp / Rd
+  where L is the prompt's length, Qp / Qd the prompt tokens the router has sent the prefill
+  node it would use (router/routing.py chooses it first) / the decode node to compute and not
+  yet seen a token of, Rp / Rd
   their prefill rates in tokens/s (each engine's own prompt tokens per second of prompt compute,
   from its stats; another node's, or `assumed_prefill_tokens_per_s`, before it has any), H the
   recent hand-over gap (prefill token to the decode node's first token, an exponential average of
@@ -54,7 +55,8 @@ DECISIONS: dict[str, dict[str, Where]] = {
     },
 }
 """Each mode's decisions, reason → where (the metric's label values). With no healthy prefill
-node every mode computes locally; that is the prefill fallback, counted on its own."""
+node there is no decision to make: that is the prefill fallback (router/routing.py), counted on
+its own."""
 
 MIN_BUSY_S = 0.5
 """Prompt compute seconds a node needs behind its rate before the rate is trusted."""
@@ -67,18 +69,20 @@ HANDOVER_WEIGHT = 0.2
 
 
 @dataclass(frozen=True)
-class Decision:
-    where: Where
-    reason: str
-
-
-@dataclass(frozen=True)
 class Estimate:
     """What the adaptive rule compares (seconds)."""
 
     local_ttft_s: float
     remote_ttft_s: float
     stall_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    where: Where
+    reason: str
+    estimate: Estimate | None = None
+    """The adaptive rule's numbers (None in the other modes)."""
 
 
 def prefill_rate(node: Node) -> float | None:
@@ -129,11 +133,9 @@ class Placement:
     def observe_handover(self, seconds: float) -> None:
         self.handover_s += HANDOVER_WEIGHT * (seconds - self.handover_s)
 
-    def decide(self, prompt_tokens: int, decode: Node, prefill: list[Node]) -> Decision:
-        """Where to compute a prompt of `prompt_tokens` that `decode` will decode, given the
-        healthy prefill nodes `prefill`."""
-        if not prefill:
-            return Decision(LOCAL, "no_prefill_node")
+    def decide(self, prompt_tokens: int, decode: Node, prefill: Node) -> Decision:
+        """Where to compute a prompt of `prompt_tokens` that `decode` will decode: there, or on
+        `prefill` (the prefill node the router would send it to)."""
         if self.mode == "remote":
             return Decision(REMOTE, "mode")
         if self.mode == "threshold":
@@ -142,22 +144,23 @@ class Placement:
             return Decision(REMOTE, "long")
         estimate = self.estimate(prompt_tokens, decode, prefill)
         if estimate.remote_ttft_s <= self.ttft_target_s:
-            return Decision(REMOTE, "remote_in_time")
+            return Decision(REMOTE, "remote_in_time", estimate)
         if estimate.local_ttft_s >= estimate.remote_ttft_s:
-            return Decision(REMOTE, "remote_faster")
+            return Decision(REMOTE, "remote_faster", estimate)
         if estimate.stall_s > self.stall_budget_s:
-            return Decision(REMOTE, "stall")
-        return Decision(LOCAL, "prefill_backlog")
+            return Decision(REMOTE, "stall", estimate)
+        return Decision(LOCAL, "prefill_backlog", estimate)
 
-    def estimate(self, prompt_tokens: int, decode: Node, prefill: list[Node]) -> Estimate:
-        target = min(prefill, key=lambda node: node.prefilling_tokens)
-        known = [rate for rate in map(prefill_rate, [decode, *prefill]) if rate]
+    def estimate(self, prompt_tokens: int, decode: Node, prefill: Node) -> Estimate:
+        """Both sides' time to first token and the stall, for this pair of nodes. A node that
+        has not measured its prefill rate borrows the other's, or the assumed one."""
+        known = [rate for rate in map(prefill_rate, (decode, prefill)) if rate]
         fallback = sum(known) / len(known) if known else self.assumed_rate
         rate_d = prefill_rate(decode) or fallback
-        rate_p = prefill_rate(target) or fallback
+        rate_p = prefill_rate(prefill) or fallback
         per_step = min(prompt_tokens, self.step_cap_tokens or prompt_tokens)
         return Estimate(
             local_ttft_s=(decode.prefilling_tokens + prompt_tokens) / rate_d,
-            remote_ttft_s=(target.prefilling_tokens + prompt_tokens) / rate_p + self.handover_s,
+            remote_ttft_s=(prefill.prefilling_tokens + prompt_tokens) / rate_p + self.handover_s,
             stall_s=per_step / rate_d,
         )

@@ -106,8 +106,6 @@ class Pool:
         self.stall_s = stall_s
         self.hearing = hearing or Hearing()
         self._watcher: asyncio.Task | None = None
-        self.on_pick = None
-        """Called with (pool name, node name) for each node chosen (the routing metric)."""
 
     def healthy_nodes(self) -> list[Node]:
         return [node for node in self.nodes if node.healthy]
@@ -116,10 +114,7 @@ class Pool:
         candidates = [node for node in self.healthy_nodes() if node not in exclude]
         if not candidates:
             raise PoolUnavailable(f"no healthy node in the {self.name} pool")
-        node = self.policy.choose(candidates)
-        if self.on_pick is not None:
-            self.on_pick(self.name, node.name)
-        return node
+        return self.policy.choose(candidates)
 
     def mark_failed(self, node: Node, why: str) -> None:
         if node.healthy:

@@ -7,12 +7,12 @@ What is simulated, and how closely it follows what runs:
   budget (`max_num_batched_tokens`). A step costs what the node's `StepModel` says for its token
   mix; a step that admits handed-over requests also pays their KV pull (sync load: the pull holds
   the step). At the step's end each sequence that finished its prompt or decoded samples a token.
-- **The router** is the real one's policies: the decode node is chosen by `router.policies`
-  (least outstanding, on the same `Node` objects and load functions), where the prompt is
-  computed by `router.placement.Placement` (remote / threshold / adaptive) from the same live
-  state — the router's own counts, updated at once, and engine stats refreshed once per second,
-  as the router's health checks do. The hand-over gap the router measures feeds the placement's
-  average as it does in the router.
+- **The router's routing is the router's own code**: each request's route comes from
+  `router.routing.Routing` over `router.pools.Pool`s of the simulated engines' `Node`s — the same
+  policies, load functions and placement rule, reading the same live state: the router's own
+  counts, updated at once, and engine stats refreshed once per second, as the router's health
+  checks do. The hand-over gap the router measures feeds the placement's average as it does in
+  the router.
 - **The seam**: the prefill node samples the first token (sent to the client), the decode node
   continues from prompt + that token (one token to compute, the rest loaded); a request's KV
   crosses the link in `kv_bytes / link_bandwidth + link_latency`.
@@ -39,8 +39,10 @@ from pdserve.roofline.stepmodel import StepModel
 from router.autoscale import AutoscalePolicy, Autoscaler
 from router.metrics.balance import Window, cost_pressure
 from router.nodes import Node, NodeClient
-from router.placement import LOCAL, Placement
+from router.placement import Placement
 from router.policies import make_policy
+from router.pools import Pool
+from router.routing import Route, Routing
 
 STATS_PERIOD_S = 1.0
 """How often simulated engines report stats to the simulated router (its health-check period)."""
@@ -53,6 +55,24 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     kind: str = "steady"
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """What routing reads of a request's sampling parameters. A simulated request is plain
+    (no state kept from one token to the next), so a split route samples its first token on the
+    prefill node, as the router does for such a request."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    prompt_logprobs: int | None = None
+    structured_outputs: None = None
+    seed: None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    bad_words: None = None
+    stop: None = None
 
 
 @dataclass(frozen=True)
@@ -251,9 +271,6 @@ class Simulator:
         self.prefill = pool("prefill", topology.prefill)
         self.decode = pool("decode", topology.decode)
         self.colocated = pool("colocated", topology.colocated)
-        role = "colocated" if self.colocated else "decode"
-        self.policy = make_policy(topology.policy, role)
-        self.prefill_policy = make_policy(topology.policy, "prefill")
         self.placement = Placement(
             topology.placement,
             topology.threshold_tokens,
@@ -261,11 +278,23 @@ class Simulator:
             step_cap_tokens=0,
             ttft_target_s=topology.ttft_target_s,
         )
+        self._engine = {e.name: e for e in self._engines()}
+        if self.colocated:
+            self.routing = Routing(self._pool("colocated", self.colocated))
+        else:
+            self.routing = Routing(
+                self._pool("decode", self.decode),
+                self._pool("prefill", self.prefill),
+                self.placement,
+            )
         self.placements: dict[str, int] = {}
         self.gaps: list[float] = []
         self.autoscaler = Autoscaler(topology.autoscale) if topology.autoscale else None
         self.moves: list[dict] = []
         self._seen: dict[str, tuple[float, int]] = {}
+
+    def _pool(self, role: str, engines: list[SimEngine]) -> Pool:
+        return Pool(role, [e.node for e in engines], make_policy(self.topology.policy, role))
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._order), action))
@@ -342,6 +371,8 @@ class Simulator:
             engine = min(source, key=lambda e: (e.node.outstanding, len(e.running)))
             source.remove(engine)
             target.append(engine)
+            self.routing.prefill.nodes = [e.node for e in self.prefill]
+            self.routing.decode.nodes = [e.node for e in self.decode]
             self.moves.append(
                 {
                     "at_s": self.now,
@@ -375,25 +406,25 @@ class Simulator:
         self._pending -= 1
 
     def _arrive(self, request: SimRequest, record: RequestRecord) -> None:
-        if self.colocated:
-            engine = self._choose(self.colocated, self.policy)
-            self._whole(engine, request, record, "colocated")
-            return
-        decode = self._choose(self.decode, self.policy)
-        prefill_nodes = [e.node for e in self.prefill]
-        decision = self.placement.decide(request.prompt_tokens, decode.node, prefill_nodes)
-        key = f"{decision.where}/{decision.reason}"
-        self.placements[key] = self.placements.get(key, 0) + 1
-        if decision.where == LOCAL:
-            self._whole(decode, request, record, "local")
+        route = self.routing.route(request.prompt_tokens, _Sampling(request.output_tokens))
+        self._count(route)
+        if route.split:
+            self._remote(
+                self._engine[route.node.name], self._engine[route.prefill.name], request, record
+            )
         else:
-            self._remote(decode, request, record)
+            self._whole(self._engine[route.node.name], request, record)
 
-    def _choose(self, engines: list[SimEngine], policy) -> SimEngine:
-        chosen = policy.choose([e.node for e in engines])
-        return next(e for e in engines if e.node is chosen)
+    def _count(self, route: Route) -> None:
+        """Placements as the router's metric labels them (where/reason); other routes by
+        reason."""
+        if route.placed(self.placement.mode):
+            key = f"{'remote' if route.split else 'local'}/{route.reason}"
+        else:
+            key = route.reason
+        self.placements[key] = self.placements.get(key, 0) + 1
 
-    def _whole(self, engine: SimEngine, request: SimRequest, record, how: str) -> None:
+    def _whole(self, engine: SimEngine, request: SimRequest, record) -> None:
         node = engine.node
         node.outstanding += 1
         node.outstanding_prompt_tokens += request.prompt_tokens
@@ -415,8 +446,7 @@ class Simulator:
             _Seq(request, request.prompt_tokens, request.output_tokens, 0, 0.0, on_token, on_done)
         )
 
-    def _remote(self, decode: SimEngine, request: SimRequest, record) -> None:
-        prefill = self._choose(self.prefill, self.prefill_policy)
+    def _remote(self, decode: SimEngine, prefill: SimEngine, request: SimRequest, record) -> None:
         p_node, d_node = prefill.node, decode.node
         d_node.outstanding += 1
         d_node.outstanding_prompt_tokens += request.prompt_tokens

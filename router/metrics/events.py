@@ -36,6 +36,7 @@ class RouterMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._placement_mode = "remote"  # the watched dispatcher's (`watch`)
         self.requests = Counter(
             "pdserve_requests", "Requests by API and outcome.", ["api", "outcome"], registry=r
         )
@@ -63,7 +64,7 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.routed = Counter(
+        self.routed_legs = Counter(
             "pdserve_routing_decisions",
             "Requests (or request legs) sent to each node.",
             ["pool", "node"],
@@ -131,18 +132,28 @@ class RouterMetrics:
         scaler.on_decision = lambda d: self.autoscale.labels(action=d.action, reason=d.reason).inc()
 
     def watch(self, dispatcher: Any) -> None:
-        """Count the dispatcher's routing decisions and prefill fallbacks."""
-        for pool in dispatcher.pools.values():
-            pool.on_pick = lambda pool, node: self.routed.labels(pool=pool, node=node).inc()
-        if hasattr(dispatcher, "on_fallback"):
-            dispatcher.on_fallback = self.fallbacks.inc
-            dispatcher.on_degraded = self.decode_fallbacks.inc
-            dispatcher.on_handover = self.handover_gap.observe
-            dispatcher.on_placement = lambda decision: self.placements.labels(
-                where=decision.where, reason=decision.reason
-            ).inc()
-            for reason, where in DECISIONS[dispatcher.placement.mode].items():
-                self.placements.labels(where=where, reason=reason)  # zero from the start
+        """Observe the dispatcher's routes and hand-overs; each placement reason of its mode
+        exists from zero."""
+        dispatcher.observer = self
+        self._placement_mode = dispatcher.placement.mode
+        if dispatcher.mode == "disaggregated":
+            for reason, where in DECISIONS[self._placement_mode].items():
+                self.placements.labels(where=where, reason=reason)
+
+    def routed(self, route: Any) -> None:
+        """One request's route (router/routing.py `Route`), counted per leg and by reason."""
+        for pool, node in route.legs():
+            self.routed_legs.labels(pool=pool, node=node).inc()
+        if route.reason == "no_prefill_node":
+            self.fallbacks.inc()
+        elif route.reason == "no_decode_node":
+            self.decode_fallbacks.inc()
+        elif route.placed(self._placement_mode):
+            where = "remote" if route.split else "local"
+            self.placements.labels(where=where, reason=route.reason).inc()
+
+    def handed_over(self, seconds: float) -> None:
+        self.handover_gap.observe(seconds)
 
 
 class RequestTimer:

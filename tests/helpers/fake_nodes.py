@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejected, TokenDelta
-from router.dispatch import Colocated, Disaggregated
+from router.dispatch import Dispatcher
 from router.errors import NodeFailed
 from router.nodes import Node, NodeClient
 from router.policies import make_policy
@@ -177,18 +177,23 @@ def pool(name: str, *fakes: FakeNode, silence_s: float = 3.0, hearing=None) -> P
 
 
 def disaggregated(
-    prefill: list[FakeNode], decode: list[FakeNode], fallback: bool = True, silence_s: float = 3.0
+    prefill: list[FakeNode],
+    decode: list[FakeNode],
+    fallback: bool = True,
+    silence_s: float = 3.0,
+    placement=None,
 ):
     hearing = Hearing()  # the pools share it, as in `pdserve serve`
-    return Disaggregated(
+    return Dispatcher.disaggregated(
         pool("prefill", *prefill, silence_s=silence_s, hearing=hearing),
         pool("decode", *decode, silence_s=silence_s, hearing=hearing),
         fallback,
+        placement,
     )
 
 
-def colocated(*fakes: FakeNode) -> Colocated:
-    return Colocated(pool("colocated", *fakes))
+def colocated(*fakes: FakeNode) -> Dispatcher:
+    return Dispatcher.colocated(pool("colocated", *fakes))
 
 
 class FakeSampling(SimpleNamespace):
@@ -225,3 +230,16 @@ def prepared(
         sampling_params=sampling(max_tokens=max_tokens, **params),
         stream=stream,
     )
+
+
+class Routes:
+    """An observer that keeps each route the dispatcher carries out."""
+
+    def __init__(self) -> None:
+        self.seen, self.gaps = [], []
+
+    def routed(self, route) -> None:
+        self.seen.append(route)
+
+    def handed_over(self, seconds: float) -> None:
+        self.gaps.append(seconds)

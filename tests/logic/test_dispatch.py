@@ -22,7 +22,14 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.retry import RESTART, RetryPolicy, runs
 from router.service import RouterService
-from tests.helpers.fake_nodes import FakeNode, colocated, disaggregated, prepared, sampling
+from tests.helpers.fake_nodes import (
+    FakeNode,
+    Routes,
+    colocated,
+    disaggregated,
+    prepared,
+    sampling,
+)
 
 DEADLINE_S = 30.0
 
@@ -109,12 +116,11 @@ async def test_kv_nobody_will_read_is_given_back_to_the_prefill_node():
 async def test_one_token_is_the_prefill_nodes_alone():
     p, d = FakeNode("p0"), FakeNode("d0")
     dispatcher = disaggregated([p], [d])
-    picked = []
-    for pool in dispatcher.pools.values():
-        pool.on_pick = lambda pool, node: picked.append(pool)
+    dispatcher.observer = routes = Routes()
     got = await collect(dispatcher, prepared(max_tokens=1))
     assert tokens(got) == [100] and [c.method for c in p.calls] == ["generate"]
-    assert not d.calls and picked == ["prefill"]
+    assert not d.calls
+    assert [(r.legs(), r.reason) for r in routes.seen] == [([("prefill", "p0")], "one_token")]
 
 
 async def test_a_first_token_that_ends_the_request_ends_it_there():
@@ -126,12 +132,11 @@ async def test_a_first_token_that_ends_the_request_ends_it_there():
 async def test_no_prefill_node_the_decode_node_prefills_or_503():
     p, d = FakeNode("p0"), FakeNode("d0")
     dispatcher = disaggregated([p], [d])
-    fallbacks = []
-    dispatcher.on_fallback = lambda: fallbacks.append(1)
+    dispatcher.observer = routes = Routes()
     dispatcher.prefill.nodes[0].healthy = False
     got = await collect(dispatcher, prepared(max_tokens=3))
     assert tokens(got) == [100, 101, 102] and [c.method for c in d.calls] == ["generate"]
-    assert fallbacks == [1] and not p.calls
+    assert [r.reason for r in routes.seen] == ["no_prefill_node"] and not p.calls
     strict = disaggregated([FakeNode("p1")], [FakeNode("d1")], fallback=False)
     strict.prefill.nodes[0].healthy = False
     with pytest.raises(PoolUnavailable, match="prefill"):
@@ -200,13 +205,12 @@ async def test_with_resume_off_a_cut_stream_ends_with_an_explicit_error():
 async def test_no_decode_node_left_a_prefill_node_serves_whole_requests():
     p, d = FakeNode("p0"), FakeNode("d0")
     dispatcher = disaggregated([p], [d])
-    degraded = []
-    dispatcher.on_degraded = lambda: degraded.append(1)
+    dispatcher.observer = routes = Routes()
     dispatcher.decode.nodes[0].healthy = False
     dispatcher.check_available()  # not a 503: the prefill pool can serve
     got = await collect(dispatcher, prepared(max_tokens=3, stop=["x"]))
     assert tokens(got) == [100, 101, 102] and [c.method for c in p.calls] == ["generate"]
-    assert degraded == [1]
+    assert [(r.legs(), r.reason) for r in routes.seen] == [([("prefill", "p0")], "no_decode_node")]
     dispatcher.prefill.nodes[0].healthy = False
     with pytest.raises(PoolUnavailable, match="either pool"):
         dispatcher.check_available()
@@ -271,7 +275,7 @@ async def test_the_deadline_ends_the_request_and_cancels_it_on_the_node():
             pass
     assert time.monotonic() - started < 2
     assert node.calls[0].cancelled
-    assert dispatcher.pool.nodes[0].outstanding == 0
+    assert dispatcher.pools["colocated"].nodes[0].outstanding == 0
 
 
 async def test_a_caller_that_stops_listening_cancels_both_legs_counts_nothing_left():

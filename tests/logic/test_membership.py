@@ -126,8 +126,8 @@ async def test_a_node_that_is_slow_but_answers_its_checks_is_not_lost():
 
     slow = FakeNode("c0", delay_s=0.5)  # each token takes longer than the silence bound
     dispatcher = colocated(slow)
-    dispatcher.pool.silence_s = 0.3
-    dispatcher.pool.start_watching(interval_s=0.05)
+    dispatcher.pools["colocated"].silence_s = 0.3
+    dispatcher.pools["colocated"].start_watching(interval_s=0.05)
     try:
         deltas = [
             d
@@ -136,9 +136,9 @@ async def test_a_node_that_is_slow_but_answers_its_checks_is_not_lost():
             )
         ]
     finally:
-        await dispatcher.pool.stop_watching()
+        await dispatcher.pools["colocated"].stop_watching()
     assert [t for d in deltas for t in d.token_ids] == [100, 101, 102]
-    assert dispatcher.pool.nodes[0].healthy
+    assert dispatcher.pools["colocated"].nodes[0].healthy
 
 
 async def test_a_silent_node_leaves_while_its_check_hangs_and_rejoins_when_it_answers():

@@ -14,7 +14,7 @@ from router.metrics import RouterMetrics
 from router.nodes import Node
 from router.placement import DECISIONS, LOCAL, REMOTE, Placement, prefill_rate
 from router.retry import RetryPolicy, runs
-from tests.helpers.fake_nodes import FakeNode, disaggregated, prepared
+from tests.helpers.fake_nodes import FakeNode, Routes, disaggregated, prepared
 
 
 def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding: int = 0):
@@ -30,14 +30,13 @@ def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding:
 
 def test_remote_mode_always_hands_over():
     placement = Placement("remote")
-    assert placement.decide(1, node("d"), [node("p")]).where == REMOTE
-    assert placement.decide(1, node("d"), []).where == LOCAL  # nobody to hand over from
+    assert placement.decide(1, node("d"), node("p")).where == REMOTE
 
 
 def test_threshold_mode_splits_on_prompt_length():
     placement = Placement("threshold", threshold_tokens=256)
-    assert placement.decide(256, node("d"), [node("p")]).where == LOCAL
-    assert placement.decide(257, node("d"), [node("p")]).where == REMOTE
+    assert placement.decide(256, node("d"), node("p")).where == LOCAL
+    assert placement.decide(257, node("d"), node("p")).where == REMOTE
 
 
 def test_unknown_mode_is_refused():
@@ -58,7 +57,7 @@ def test_adaptive_uses_the_prefill_pool_while_it_is_in_time():
     """Empty queues: the prefill node gives the first token well within the target, so the
     decode node's steps stay pure decode (even though local would be sooner by the hand-over)."""
     placement = Placement("adaptive", initial_handover_s=0.1, ttft_target_s=0.5)
-    decode, prefill = node("d", rate=500), [node("p", rate=500)]
+    decode, prefill = node("d", rate=500), node("p", rate=500)
     decision = placement.decide(64, decode, prefill)
     assert (decision.where, decision.reason) == (REMOTE, "remote_in_time")
     estimate = placement.estimate(64, decode, prefill)
@@ -69,7 +68,7 @@ def test_a_short_prompt_does_not_wait_behind_a_long_prefill():
     """A 1536-token prompt queued on the prefill node (3 s at 500 tokens/s): a 64-token prompt
     is computed on its decode node instead, a 128-token one would stall its streams too long."""
     placement = Placement("adaptive", stall_budget_s=0.15, ttft_target_s=0.5)
-    behind_long = [node("p", rate=500, prefilling=1536)]
+    behind_long = node("p", rate=500, prefilling=1536)
     decision = placement.decide(64, node("d", rate=500, outstanding=4), behind_long)
     assert (decision.where, decision.reason) == (LOCAL, "prefill_backlog")
     decision = placement.decide(128, node("d", rate=500, outstanding=4), behind_long)
@@ -83,20 +82,17 @@ def test_a_busy_decode_node_sends_its_prompts_away_even_late():
     """Both sides backed up and the decode node no sooner: remote."""
     placement = Placement("adaptive")
     decision = placement.decide(
-        64, node("d", rate=1000, prefilling=3000), [node("p", rate=1000, prefilling=2000)]
+        64, node("d", rate=1000, prefilling=3000), node("p", rate=1000, prefilling=2000)
     )
     assert (decision.where, decision.reason) == (REMOTE, "remote_faster")
-    # of two prefill nodes, the estimate reads the one with less queued
-    two = [node("p0", rate=1000, prefilling=5000), node("p1", rate=1000)]
-    estimate = placement.estimate(64, node("d", rate=1000), two)
-    assert estimate.remote_ttft_s == pytest.approx(0.064 + placement.handover_s)
+    assert decision.estimate.remote_ttft_s == pytest.approx(2.064 + placement.handover_s)
 
 
 def test_adaptive_step_cap_bounds_the_stall():
     """With the engines capping a prompt's tokens per step, only one step's share stalls."""
     capped = Placement("adaptive", stall_budget_s=0.15, step_cap_tokens=64)
     decode = node("d", rate=1000, outstanding=2)
-    behind_long = [node("p", rate=1000, prefilling=4000)]
+    behind_long = node("p", rate=1000, prefilling=4000)
     assert capped.estimate(1024, decode, behind_long).stall_s == pytest.approx(0.064)
     assert capped.decide(1024, decode, behind_long).where == LOCAL
     uncapped = Placement("adaptive").estimate(1024, decode, behind_long)
@@ -107,9 +103,9 @@ def test_adaptive_uses_measured_rates_before_the_assumed_one():
     """A decode node that never prefilled borrows the prefill node's measured rate; with no
     measurement anywhere the configured one stands in."""
     placement = Placement("adaptive", assumed_prefill_tokens_per_s=100.0, initial_handover_s=0)
-    estimate = placement.estimate(100, node("d"), [node("p", rate=1000)])
+    estimate = placement.estimate(100, node("d"), node("p", rate=1000))
     assert estimate.local_ttft_s == pytest.approx(0.1)
-    assert placement.estimate(100, node("d"), [node("p")]).local_ttft_s == pytest.approx(1.0)
+    assert placement.estimate(100, node("d"), node("p")).local_ttft_s == pytest.approx(1.0)
 
 
 def test_the_handover_estimate_follows_measurements():
@@ -129,23 +125,21 @@ async def run(dispatcher, request):
 
 async def test_a_local_decision_is_served_whole_by_the_decode_node():
     p, d = FakeNode("p0"), FakeNode("d0")
-    dispatcher = disaggregated([p], [d])
-    dispatcher.placement = Placement("threshold", threshold_tokens=8)
-    decisions = []
-    dispatcher.on_placement = decisions.append
+    dispatcher = disaggregated([p], [d], placement=Placement("threshold", threshold_tokens=8))
+    dispatcher.observer = routes = Routes()
     assert await run(dispatcher, prepared(max_tokens=3, prompt_len=8)) == [104, 105, 106]
     assert not p.calls and [c.method for c in d.calls] == ["generate"]
     assert await run(dispatcher, prepared(max_tokens=3, prompt_len=9)) == [105, 106, 107]
     assert [c.method for c in p.calls] == ["prefill"]
-    assert [(x.where, x.reason) for x in decisions] == [("local", "short"), ("remote", "long")]
+    assert [(r.split, r.reason) for r in routes.seen] == [(False, "short"), (True, "long")]
 
 
 async def test_a_remote_prefill_measures_its_handover_gap():
     p, d = FakeNode("p0"), FakeNode("d0", delay_s=0.05)
     dispatcher = disaggregated([p], [d])
-    gaps = []
-    dispatcher.on_handover = gaps.append
+    dispatcher.observer = routes = Routes()
     await run(dispatcher, prepared(max_tokens=4))
+    gaps = routes.gaps
     assert len(gaps) == 1 and 0.05 <= gaps[0] < 5
     assert dispatcher.placement.handover_s != 0.1  # learned from it
 
@@ -166,19 +160,24 @@ async def test_queued_prefill_work_is_counted_until_the_first_token():
     assert dispatcher.decode.nodes[0].prefilling_tokens == 0  # a decode leg computes no prompt
 
 
-def test_the_metrics_count_each_decision_from_zero():
-    dispatcher = disaggregated([FakeNode("p0")], [FakeNode("d0")])
-    dispatcher.placement = Placement("adaptive")
+async def test_the_metrics_count_each_decision_from_zero():
+    dispatcher = disaggregated(
+        [FakeNode("p0")], [FakeNode("d0")], placement=Placement("threshold", threshold_tokens=8)
+    )
     metrics = RouterMetrics(dispatcher.pools, "disaggregated")
     metrics.watch(dispatcher)
     text = metrics_text(metrics)
-    for reason, where in DECISIONS["adaptive"].items():
+    for reason, where in DECISIONS["threshold"].items():
         assert f'pdserve_prefill_placements_total{{reason="{reason}",where="{where}"}} 0.0' in text
-    dispatcher.on_placement(Placement("threshold").decide(1, node("d"), [node("p")]))
-    dispatcher.on_handover(0.03)
+    assert await run(dispatcher, prepared(max_tokens=3, prompt_len=8))  # short: local
+    assert await run(dispatcher, prepared(max_tokens=3, prompt_len=9))  # long: a hand-over
+    assert await run(dispatcher, prepared(max_tokens=1, prompt_len=9))  # the prefill node alone
     text = metrics_text(metrics)
     assert 'pdserve_prefill_placements_total{reason="short",where="local"} 1.0' in text
-    assert 'pdserve_handover_gap_seconds_bucket{le="0.04"} 1.0' in text
+    assert 'pdserve_prefill_placements_total{reason="long",where="remote"} 1.0' in text
+    assert 'pdserve_routing_decisions_total{node="d0",pool="decode"} 2.0' in text
+    assert 'pdserve_routing_decisions_total{node="p0",pool="prefill"} 2.0' in text
+    assert "pdserve_handover_gap_seconds_count 1.0" in text
 
 
 def metrics_text(metrics: RouterMetrics) -> str:

@@ -1,0 +1,126 @@
+"""Where a request runs: one decision, made once before it runs, returned as one value.
+
+`Routing.route(prompt_tokens, params)` reads the pools as they are now and returns a `Route`:
+the node that serves the request whole, or the prefill node that computes its prompt and the
+decode node that decodes it; where its first token is sampled (router/seam.py); why (the reason
+the metrics count); and, for an adaptive placement, the estimate it compared — computed for the
+very nodes the route names. The dispatcher (router/dispatch.py) only carries a route out, the
+metrics read it as data, and the simulator (pdserve/sim/cluster.py) routes with this same code.
+
+Disaggregated, in this order:
+1. No healthy decode node: a prefill node serves the request whole (`no_decode_node`).
+2. `max_tokens: 1`: nothing to hand over, a prefill node serves it whole (`one_token`).
+3. A decode node is chosen (the pool's policy), then where the prompt is computed:
+   prompt logprobs need the engine that computes the prompt, so the decode node serves it whole
+   (`one_engine`); with no healthy prefill node the decode node prefills for itself
+   (`no_prefill_node`, a 503 instead with `router.prefill_fallback` off); otherwise a prefill
+   node is chosen (its pool's policy) and `router/placement.py` decides local or remote for
+   that pair (its reasons: `mode`, `short`, `long`, `remote_in_time`, `prefill_backlog`,
+   `remote_faster`, `stall`).
+Colocated: the pool's chosen node serves it whole (`colocated`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from router import seam
+from router.errors import PoolUnavailable
+from router.nodes import Node
+from router.placement import DECISIONS, LOCAL, Estimate, Placement
+from router.pools import Pool
+
+WHOLE_REASONS = ("colocated", "no_decode_node", "one_token", "one_engine", "no_prefill_node")
+"""Why a request runs whole on one node, outside the placement rule's own reasons."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request runs and why."""
+
+    node: Node
+    """The node that serves the request whole, or (split) the decode node."""
+    pool: str
+    """`node`'s pool."""
+    reason: str
+    """Why this route: one of `WHOLE_REASONS`, or the placement rule's reason."""
+    prefill: Node | None = None
+    """Split: the prefill node that computes the prompt and hands its KV over."""
+    first_token: seam.Placement = seam.ONE_ENGINE
+    """Split: which leg samples the first token (router/seam.py)."""
+    estimate: Estimate | None = None
+    """An adaptive placement's numbers, for `node` and `prefill`."""
+
+    @property
+    def split(self) -> bool:
+        return self.prefill is not None
+
+    def legs(self) -> list[tuple[str, str]]:
+        """(pool, node) of each leg, in order (what `pdserve_routing_decisions_total` counts)."""
+        if self.prefill is None:
+            return [(self.pool, self.node.name)]
+        return [("prefill", self.prefill.name), (self.pool, self.node.name)]
+
+    def placed(self, mode: str) -> bool:
+        """Whether the placement rule decided this route (`mode`'s reasons), rather than a
+        fallback or the request's own shape."""
+        return self.reason in DECISIONS[mode]
+
+
+class Routing:
+    """The one routing decision over a colocated pool, or a prefill and a decode pool."""
+
+    def __init__(
+        self,
+        decode: Pool,
+        prefill: Pool | None = None,
+        placement: Placement | None = None,
+        prefill_fallback: bool = True,
+    ) -> None:
+        self.decode, self.prefill = decode, prefill
+        self.placement = placement or Placement("remote")
+        self.prefill_fallback = prefill_fallback
+
+    def check_available(self) -> None:
+        """Refuse (503) a request no node could serve now."""
+        decode = self.decode.healthy_nodes()
+        if self.prefill is None:
+            if not decode:
+                raise PoolUnavailable(f"no healthy node in the {self.decode.name} pool")
+            return
+        prefill = self.prefill.healthy_nodes()
+        if not decode and not prefill:
+            raise PoolUnavailable("no healthy node in either pool")
+        if not prefill and not self.prefill_fallback:
+            raise PoolUnavailable("no healthy node in the prefill pool (fallback is off)")
+
+    def route(self, prompt_tokens: int, params: Any) -> Route:
+        """Where a request of `prompt_tokens` with sampling `params` runs, now."""
+        if self.prefill is None:
+            return Route(self.decode.pick(), self.decode.name, "colocated")
+        prefill = self.prefill.healthy_nodes()
+        no_decode = not self.decode.healthy_nodes()
+        if prefill and (no_decode or params.max_tokens == 1):
+            reason = "no_decode_node" if no_decode else "one_token"
+            return Route(self.prefill.pick(), self.prefill.name, reason)
+        decode = self.decode.pick()
+        first_token = seam.placement(params)
+        if first_token == seam.ONE_ENGINE:
+            return Route(decode, self.decode.name, "one_engine")
+        if not prefill:
+            if not self.prefill_fallback:
+                raise PoolUnavailable("no healthy node in the prefill pool")
+            return Route(decode, self.decode.name, "no_prefill_node")
+        target = self.prefill.pick()
+        decision = self.placement.decide(prompt_tokens, decode, target)
+        if decision.where == LOCAL:
+            return Route(decode, self.decode.name, decision.reason, estimate=decision.estimate)
+        return Route(
+            decode,
+            self.decode.name,
+            decision.reason,
+            prefill=target,
+            first_token=first_token,
+            estimate=decision.estimate,
+        )

@@ -1,0 +1,84 @@
+"""A request's route is one value (router/routing.py): each reason in its order, and the
+adaptive estimate computed for the very prefill node the route sends the prompt to."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.types import NodeInfo, NodeStats
+from router import seam
+from router.errors import PoolUnavailable
+from router.nodes import Node
+from router.placement import Placement
+from router.policies import make_policy
+from router.pools import Pool
+from router.routing import Routing
+from tests.helpers.fake_nodes import FakeNode, sampling
+
+
+def node(name: str, rate: float = 1000.0, **counts) -> Node:
+    stats = NodeStats(waiting=counts.pop("waiting", 0))
+    stats.prompt_busy_seconds_total = 10.0  # ten seconds of prompt compute at `rate`
+    stats.prompt_tokens_computed_total = int(rate * 10)
+    stats.requests_started_total = int(rate * 10) // 100
+    n = Node(name, FakeNode(name), NodeInfo(name, 1, "ray", 2048, 16, 0.1), stats=stats)
+    for key, value in counts.items():
+        setattr(n, key, value)
+    return n
+
+
+def pool(role: str, *nodes: Node) -> Pool:
+    return Pool(role, list(nodes), make_policy("least_outstanding", role))
+
+
+def routing(prefill=(), decode=(), mode="adaptive", fallback=True) -> Routing:
+    return Routing(
+        pool("decode", *(decode or [node("d0")])),
+        pool("prefill", *prefill),
+        Placement(mode, initial_handover_s=0.1),
+        fallback,
+    )
+
+
+def test_the_estimate_is_for_the_prefill_node_the_route_names():
+    """p0 has no prompt in flight but four requests queued in its engine; p1 has 1000 prompt
+    tokens in flight. The pool's policy sends the prompt to p1, so the estimate that decides
+    reads p1: 1.16 s, not in time — where the node with the shortest in-flight count (p0) would
+    have promised 0.16 s."""
+    p0 = node("p0", waiting=4)
+    p1 = node("p1", outstanding_prompt_tokens=1000, prefilling_tokens=1000)
+    busy_decode = node("d0", prefilling_tokens=3000)
+    route = routing([p0, p1], [busy_decode]).route(64, sampling(max_tokens=8))
+    assert route.split and route.prefill.name == "p1" and route.node.name == "d0"
+    assert route.estimate.remote_ttft_s == pytest.approx((1000 + 64) / 1000 + 0.1)
+    assert route.reason == "remote_faster"  # local: 3.064 s behind the decode node's own queue
+
+
+def test_each_reason_in_its_order():
+    plain = sampling(max_tokens=8)
+    r = routing([node("p0")])
+    assert r.route(64, plain).reason == "remote_in_time"
+    assert r.route(64, plain).first_token == seam.FIRST_ON_PREFILL
+    stateful = r.route(64, sampling(max_tokens=8, stop=["x"]))
+    assert stateful.split and stateful.first_token == seam.FIRST_ON_DECODE
+    one = r.route(64, sampling(max_tokens=1))
+    assert (one.legs(), one.reason) == ([("prefill", "p0")], "one_token")
+    logprobs = r.route(64, sampling(max_tokens=8, prompt_logprobs=1))
+    assert (logprobs.legs(), logprobs.reason) == ([("decode", "d0")], "one_engine")
+    assert routing([]).route(64, plain).reason == "no_prefill_node"
+    with pytest.raises(PoolUnavailable, match="prefill"):
+        routing([], fallback=False).route(64, plain)
+    down = node("d0")
+    down.healthy = False
+    alone = routing([node("p0")], [down]).route(64, plain)
+    assert (alone.legs(), alone.reason) == ([("prefill", "p0")], "no_decode_node")
+    colocated = Routing(pool("colocated", node("c0"))).route(64, plain)
+    assert (colocated.legs(), colocated.reason) == ([("colocated", "c0")], "colocated")
+
+
+def test_only_the_placement_rules_reasons_count_as_placements():
+    r = routing([node("p0")], mode="threshold")
+    assert r.route(300, sampling(max_tokens=8)).placed("threshold")
+    assert r.route(8, sampling(max_tokens=8)).placed("threshold")
+    assert not r.route(8, sampling(max_tokens=1)).placed("threshold")
+    assert not routing([]).route(8, sampling(max_tokens=8)).placed("adaptive")
