@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdserve.bench.stats import percentile  # noqa: E402
+from pdserve.config import AutoscaleConfig, PlacementConfig  # noqa: E402
 from pdserve.roofline.specs import PRESETS  # noqa: E402
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, simulate  # noqa: E402
 from pdserve.sim.main import gpu_step_model  # noqa: E402
-from router.autoscale import AutoscalePolicy  # noqa: E402
 
 SLO = (1.0, 0.05)
 PHASES = (("chat", 0.0, 256, 400, 150.0), ("long prompts", 60.0, 2000, 8, 50.0))
@@ -40,7 +40,7 @@ def requests() -> list[SimRequest]:
     return out
 
 
-def run(prefill: int, decode: int, autoscale: AutoscalePolicy | None) -> dict:
+def run(prefill: int, decode: int, autoscale: AutoscaleConfig | None) -> dict:
     node = NodeSpec(gpu_step_model("h100-sxm"), 256, 2048)
     topology = Topology(
         PRESETS["llama-3-8b"],
@@ -48,7 +48,7 @@ def run(prefill: int, decode: int, autoscale: AutoscalePolicy | None) -> dict:
         decode=[node] * decode,
         link_bytes_per_s=50e9,
         link_latency_s=0.001,
-        placement="remote",
+        placement=PlacementConfig(mode="remote"),
         autoscale=autoscale,
         tpot_target_s=SLO[1],
     )
@@ -71,7 +71,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/plan/autoscale")
     args = parser.parse_args()
-    policy = AutoscalePolicy(interval_s=5, cooldown_s=10, reversal_s=30)
+    policy = AutoscaleConfig(enabled=True, interval_s=5, cooldown_s=10, reversal_s=30)
     runs = {
         "fixed 2P6D": run(2, 6, None),
         "fixed 4P4D": run(4, 4, None),

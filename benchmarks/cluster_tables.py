@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdserve.bench.workload import Workload  # noqa: E402
+from pdserve.config import PlacementConfig  # noqa: E402
 from pdserve.roofline.specs import PRESETS  # noqa: E402
 from pdserve.sim.cluster import NodeSpec, Topology, simulate  # noqa: E402
 from pdserve.sim.main import ASSUMED_GPU, gpu_step_model, synthetic_requests  # noqa: E402
@@ -65,7 +66,7 @@ def topology(model: str, gpu: str, tp: int, prefill: int, decode: int, colocated
         link_bytes_per_s=LINK["bytes_per_s"],
         link_latency_s=LINK["latency_s"],
         handover_latency_s=0.002,
-        placement="remote",
+        placement=PlacementConfig(mode="remote"),
     )
 
 

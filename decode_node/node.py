@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.config import PDServeConfig
+from pdserve.engine import budget
 from pdserve.engine.actor import EngineActor, create_engine_actor
 from pdserve.engine.types import KVLoadFailed, TokenDelta
 from pdserve.kv import vllm_kv_transfer_config
@@ -39,9 +40,7 @@ the next engine step's stats)."""
 def decode_params(params: Any, handle: dict[str, Any], first_tokens: int) -> Any:
     """The client's sampling parameters for what follows the first tokens already sampled,
     loading the KV through `handle`."""
-    rest = params.clone()
-    rest.max_tokens = params.max_tokens - first_tokens
-    rest.min_tokens = max(0, params.min_tokens - first_tokens)
+    rest = budget.after(params, first_tokens)
     rest.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handle}
     return rest
 

@@ -157,7 +157,7 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
     }
     if config.mode == "colocated":
         return Dispatcher.colocated(built["colocated"])
-    placement = Placement.from_config(
+    placement = Placement(
         config.router.placement, step_cap_tokens=config.engine.long_prefill_token_threshold
     )
     return Dispatcher.disaggregated(
@@ -325,9 +325,9 @@ def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory)
     """The autoscaler over the prefill and decode pools, when `pools.autoscale` is enabled."""
     if not config.pools.autoscale.enabled:
         return None
-    from router.autoscale import AutoscalePolicy, PoolScaler
+    from router.autoscale import PoolScaler
 
-    policy = AutoscalePolicy(**config.pools.autoscale.model_dump(exclude={"enabled"}))
+    policy = config.pools.autoscale
     scaler = PoolScaler(
         dispatcher.pools["prefill"],
         dispatcher.pools["decode"],

@@ -70,45 +70,6 @@ MOVES = {"to_prefill": "to_decode", "to_decode": "to_prefill"}
 
 
 @dataclass(frozen=True)
-class AutoscalePolicy:
-    interval_s: float = 5.0
-    cooldown_s: float = 30.0
-    reversal_s: float = 120.0
-    """A move back the other way waits this long after the last one."""
-    high: float = 1.5
-    """Move when one pool's pressure is this many times the other's."""
-    min_pressure: float = 0.5
-    """The bottleneck pool must use at least this share of its budget (else nothing is short)."""
-    min_prefill: int = 1
-    min_decode: int = 1
-    max_prefill: int | None = None
-    max_decode: int | None = None
-    add_above: float | None = None
-    """Replicas: when both pools' pressures are at least this (the cluster, not the split, is
-    short), start one more node in the heavier pool if the cluster has the resources. None: off."""
-    remove_below: float | None = None
-    """Replicas: when both pools' pressures have stayed below this for `remove_after_s`, stop
-    one node of the lighter pool (above its minimum) once it has drained. None: off."""
-    remove_after_s: float = 60.0
-    """How long the cluster must stay idle before a node goes (a dip right after a change, or
-    between bursts, is not idleness)."""
-
-    def __post_init__(self) -> None:
-        if self.high <= 1:
-            raise ValueError("autoscale high must be above 1")
-        if self.min_prefill < 0 or self.min_decode < 1:
-            raise ValueError("autoscale needs at least one decode node (min_decode >= 1)")
-        if self.interval_s <= 0 or self.cooldown_s < 0:
-            raise ValueError("autoscale interval must be positive and cooldown not negative")
-        if (
-            self.add_above is not None
-            and self.remove_below is not None
-            and self.remove_below >= self.add_above
-        ):
-            raise ValueError("autoscale remove_below must be below add_above")
-
-
-@dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str
@@ -116,7 +77,10 @@ class Decision:
 
 
 class Autoscaler:
-    def __init__(self, policy: AutoscalePolicy) -> None:
+    """The rule above over `pools.autoscale` as configured (pdserve.config.AutoscaleConfig,
+    read by attribute: its fields, defaults and bounds are defined and checked there, once)."""
+
+    def __init__(self, policy: Any) -> None:
         self.policy = policy
         self.last_change: float | None = None
         self.last_move: Action | None = None
@@ -227,7 +191,7 @@ class PoolScaler:
         self,
         prefill: Any,
         decode: Any,
-        policy: AutoscalePolicy,
+        policy: Any,
         tpot_target_s: float,
         on_decision: Callable[[Decision], None] | None = None,
         factory: NodeFactory | None = None,

@@ -68,15 +68,15 @@ class Dispatcher:
         cls,
         prefill: Pool,
         decode: Pool,
-        prefill_fallback: bool = True,
-        placement: Placement | None = None,
+        prefill_fallback: bool,
+        placement: Placement,
         observer: RouteObserver | None = None,
     ) -> Dispatcher:
         """Over a prefill pool and a decode pool."""
         return cls(Routing(decode, prefill, placement, prefill_fallback), observer)
 
     @property
-    def placement(self) -> Placement:
+    def placement(self) -> Placement | None:
         return self.routing.placement
 
     def check_available(self) -> None:

@@ -37,7 +37,7 @@ Decisions are counted in `pdserve_prefill_placements_total{where, reason}`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from router.nodes import Node
 
@@ -98,37 +98,22 @@ def prefill_rate(node: Node) -> float | None:
 
 
 class Placement:
-    def __init__(
-        self,
-        mode: str = "remote",
-        threshold_tokens: int = 256,
-        stall_budget_s: float = 0.15,
-        assumed_prefill_tokens_per_s: float = 1000.0,
-        initial_handover_s: float = 0.1,
-        step_cap_tokens: int = 0,
-        ttft_target_s: float = 0.5,
-    ) -> None:
-        if mode not in DECISIONS:
-            raise ValueError(f"unknown placement mode {mode!r}; known: {', '.join(DECISIONS)}")
-        self.mode = mode
-        self.threshold_tokens = threshold_tokens
-        self.stall_budget_s = stall_budget_s
-        self.assumed_rate = assumed_prefill_tokens_per_s
-        self.handover_s = initial_handover_s
-        self.step_cap_tokens = step_cap_tokens
-        self.ttft_target_s = ttft_target_s
+    """The placement rule with its live inputs. `settings` is `router.placement` as configured
+    (pdserve.config.PlacementConfig: `mode`, `threshold_tokens`, `stall_budget_s`,
+    `ttft_target_s`, `assumed_prefill_tokens_per_s` — their defaults live there, once);
+    `step_cap_tokens` is the engines' `long_prefill_token_threshold`."""
 
-    @classmethod
-    def from_config(cls, config, step_cap_tokens: int = 0) -> Placement:
-        """From `router.placement` (pdserve.config.PlacementConfig)."""
-        return cls(
-            config.mode,
-            config.threshold_tokens,
-            config.stall_budget_s,
-            config.assumed_prefill_tokens_per_s,
-            step_cap_tokens=step_cap_tokens,
-            ttft_target_s=config.ttft_target_s,
-        )
+    def __init__(
+        self, settings: Any, step_cap_tokens: int = 0, initial_handover_s: float = 0.1
+    ) -> None:
+        self.mode = settings.mode
+        self.threshold_tokens = settings.threshold_tokens
+        self.stall_budget_s = settings.stall_budget_s
+        self.ttft_target_s = settings.ttft_target_s
+        self.assumed_rate = settings.assumed_prefill_tokens_per_s
+        self.step_cap_tokens = step_cap_tokens
+        self.handover_s = initial_handover_s
+        """The hand-over gap estimate (H), until and between measurements."""
 
     def observe_handover(self, seconds: float) -> None:
         self.handover_s += HANDOVER_WEIGHT * (seconds - self.handover_s)

@@ -78,8 +78,10 @@ class Routing:
         placement: Placement | None = None,
         prefill_fallback: bool = True,
     ) -> None:
+        if prefill is not None and placement is None:
+            raise ValueError("a prefill pool needs a placement rule")
         self.decode, self.prefill = decode, prefill
-        self.placement = placement or Placement("remote")
+        self.placement = placement
         self.prefill_fallback = prefill_fallback
 
     def check_available(self) -> None:

@@ -24,7 +24,10 @@ So each request is placed one of three ways:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
+
+from pdserve.engine import budget
 
 Placement = Literal["first_on_prefill", "first_on_decode", "one_engine"]
 FIRST_ON_PREFILL: Placement = "first_on_prefill"
@@ -73,11 +76,7 @@ def resumable(params: Any) -> bool:
 def continued(prepared: Any, sent: list[int]) -> Any:
     """The request that continues `prepared` after `sent` tokens: their ids appended to the
     prompt, the budget reduced by as many (what one engine would compute next)."""
-    from dataclasses import replace
-
-    params = prepared.sampling_params.clone()
-    params.max_tokens = prepared.sampling_params.max_tokens - len(sent)
-    params.min_tokens = max(0, prepared.sampling_params.min_tokens - len(sent))
+    params = budget.after(prepared.sampling_params, len(sent))
     return replace(
         prepared, prompt_token_ids=prepared.prompt_token_ids + sent, sampling_params=params
     )

@@ -32,11 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.bench.stats import RequestRecord
+from pdserve.config import AutoscaleConfig, PlacementConfig, RouterConfig
 from pdserve.engine.types import NodeStats
 from pdserve.roofline.model import kv_bytes_per_token
 from pdserve.roofline.specs import ModelSpec
 from pdserve.roofline.stepmodel import StepModel
-from router.autoscale import AutoscalePolicy, Autoscaler
+from router.autoscale import Autoscaler
 from router.metrics.balance import Window, cost_pressure
 from router.nodes import Node, NodeClient
 from router.placement import Placement
@@ -98,15 +99,14 @@ class Topology:
     """Added to every decode step (what the router costs the engines per token, measured)."""
     handover_latency_s: float = 0.0
     """Router → decode node: the relay of a prefilled request, beyond the KV pull."""
-    placement: str = "adaptive"
-    ttft_target_s: float = 0.5
-    stall_budget_s: float = 0.15
-    threshold_tokens: int = 256
+    placement: PlacementConfig = PlacementConfig()
+    """`router.placement`, as a served cluster's config sets it."""
     policy: str = "least_outstanding"
-    autoscale: AutoscalePolicy | None = None
-    """Move engines between the prefill and decode pools at run time (router/autoscale.py)."""
-    tpot_target_s: float = 0.1
-    """The decode side of the balance the autoscaler reads."""
+    autoscale: AutoscaleConfig | None = None
+    """`pools.autoscale`: move engines between the prefill and decode pools at run time
+    (router/autoscale.py)."""
+    tpot_target_s: float = RouterConfig.model_fields["tpot_target_s"].default
+    """`router.tpot_target_s`: the decode side of the balance the autoscaler reads."""
 
     def __post_init__(self) -> None:
         if not self.colocated and not self.decode:
@@ -271,13 +271,7 @@ class Simulator:
         self.prefill = pool("prefill", topology.prefill)
         self.decode = pool("decode", topology.decode)
         self.colocated = pool("colocated", topology.colocated)
-        self.placement = Placement(
-            topology.placement,
-            topology.threshold_tokens,
-            topology.stall_budget_s,
-            step_cap_tokens=0,
-            ttft_target_s=topology.ttft_target_s,
-        )
+        self.placement = Placement(topology.placement)
         self._engine = {e.name: e for e in self._engines()}
         if self.colocated:
             self.routing = Routing(self._pool("colocated", self.colocated))

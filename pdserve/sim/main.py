@@ -13,10 +13,10 @@ from pdserve.bench.main import workload_from_args
 from pdserve.bench.report import markdown_table, plot, read_records, write_json
 from pdserve.bench.stats import summarize
 from pdserve.bench.workload import Workload, arrival_times
+from pdserve.config import AutoscaleConfig, PlacementConfig
 from pdserve.roofline.specs import DEVICES, PRESETS, SpecError, load_model
 from pdserve.roofline.stepmodel import FitError, StepModel, load_calibration
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
-from router.autoscale import AutoscalePolicy
 
 ASSUMED_GPU = {
     "flops_efficiency": 0.6,
@@ -224,8 +224,9 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         request_overhead_s=overheads[0],
         token_overhead_s=overheads[1],
         handover_latency_s=args.handover_ms / 1e3,
-        placement=args.placement,
-        autoscale=AutoscalePolicy(
+        placement=PlacementConfig(mode=args.placement),
+        autoscale=AutoscaleConfig(
+            enabled=True,
             interval_s=args.autoscale_interval_s,
             cooldown_s=args.autoscale_cooldown_s,
             reversal_s=args.autoscale_reversal_s,

@@ -21,7 +21,7 @@ from router.metrics.balance import (
 class PoolCollector:
     """Builds the node and pool series from `Pool.nodes` each time Prometheus scrapes."""
 
-    def __init__(self, pools: dict[str, Any], window_s: float, tpot_target_s: float = 0.1) -> None:
+    def __init__(self, pools: dict[str, Any], window_s: float, tpot_target_s: float) -> None:
         self.pools, self.window_s, self.tpot_target_s = pools, window_s, tpot_target_s
 
     def collect(self):

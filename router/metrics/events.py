@@ -31,9 +31,11 @@ class RouterMetrics:
         self,
         pools: dict[str, Any],
         mode: str,
+        *,
+        tpot_target_s: float,
         window_s: float = 15.0,
-        tpot_target_s: float = 0.1,
     ) -> None:
+        """`tpot_target_s`: `router.tpot_target_s`, the decode side of the balance."""
         self.registry = CollectorRegistry()
         r = self.registry
         self._placement_mode = "remote"  # the watched dispatcher's (`watch`)
@@ -135,8 +137,8 @@ class RouterMetrics:
         """Observe the dispatcher's routes and hand-overs; each placement reason of its mode
         exists from zero."""
         dispatcher.observer = self
-        self._placement_mode = dispatcher.placement.mode
         if dispatcher.mode == "disaggregated":
+            self._placement_mode = dispatcher.placement.mode
             for reason, where in DECISIONS[self._placement_mode].items():
                 self.placements.labels(where=where, reason=reason)
 

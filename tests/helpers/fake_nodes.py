@@ -25,6 +25,7 @@ from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejec
 from router.dispatch import Dispatcher
 from router.errors import NodeFailed
 from router.nodes import Node, NodeClient
+from router.placement import Placement
 from router.policies import make_policy
 from router.pools import Hearing, Pool
 from router.request import PreparedRequest
@@ -188,8 +189,17 @@ def disaggregated(
         pool("prefill", *prefill, silence_s=silence_s, hearing=hearing),
         pool("decode", *decode, silence_s=silence_s, hearing=hearing),
         fallback,
-        placement,
+        placement or placement_rule("remote"),
     )
+
+
+def placement_rule(
+    mode: str, step_cap_tokens: int = 0, initial_handover_s: float = 0.1, **settings
+):
+    """`Placement` in `mode` with `router.placement` settings (the config's defaults otherwise)."""
+    from pdserve.config import PlacementConfig
+
+    return Placement(PlacementConfig(mode=mode, **settings), step_cap_tokens, initial_handover_s)
 
 
 def colocated(*fakes: FakeNode) -> Dispatcher:

@@ -304,7 +304,7 @@ class FakeFrontend:
 
 
 def service(dispatcher, request, limit: int = 1) -> RouterService:
-    metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
+    metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
     metrics.watch(dispatcher)
     return RouterService(
         FakeFrontend(request), dispatcher, metrics, Admission(limit), RetryPolicy(3), 30

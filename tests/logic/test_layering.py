@@ -26,7 +26,13 @@ ALLOWED = {
     "decode_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "router": {"pdserve.engine", "pdserve.kv", "pdserve.tls", "pdserve_proto"},
     "pdserve.bench": {"pdserve.model_prep", "pdserve.config", "pdserve.roofline"},
-    "pdserve.sim": {"pdserve.bench", "pdserve.engine", "pdserve.roofline", "router"},
+    "pdserve.sim": {
+        "pdserve.bench",
+        "pdserve.config",
+        "pdserve.engine",
+        "pdserve.roofline",
+        "router",
+    },
     "pdserve.flex": {
         "pdserve.config",
         "pdserve.engine",

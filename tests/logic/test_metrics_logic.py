@@ -167,7 +167,7 @@ def test_pool_collector_exports_nodes_pools_and_balance():
     decode = _node("d0", _node_stats(running=16, kv_cache_usage=0.2))
     dead = _node("d1", _node_stats(waiting=500), healthy=False)
     pools = {"prefill": _pool("prefill", [prefill]), "decode": _pool("decode", [decode, dead])}
-    metrics = RouterMetrics(pools, "disaggregated")
+    metrics = RouterMetrics(pools, "disaggregated", tpot_target_s=0.1)
     text = generate_latest(metrics.registry).decode()
     values = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -188,7 +188,7 @@ def test_pool_collector_exports_nodes_pools_and_balance():
 
 
 def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
-    metrics = RouterMetrics({}, "colocated")
+    metrics = RouterMetrics({}, "colocated", tpot_target_s=0.1)
     clock = iter([1.5, 1.7, 2.1, 2.1])  # first token, +1 token, +2 tokens, finish
     monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
     timer = RequestTimer(metrics, "http", arrival=1.0)
@@ -211,7 +211,7 @@ def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
 def test_a_buffered_timer_observes_only_the_run_that_served_the_request(monkeypatch):
     """A non-streamed request retried after its node failed: the failed run's tokens are
     dropped, and the latencies of the served run are observed once, at the end."""
-    metrics = RouterMetrics({}, "colocated")
+    metrics = RouterMetrics({}, "colocated", tpot_target_s=0.1)
     clock = iter([1.2, 1.4, 3.0, 3.5])  # failed run: 2 tokens; served run: 2 tokens
     monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
     timer = RequestTimer(metrics, "http", arrival=1.0, live=False)

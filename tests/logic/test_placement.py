@@ -12,9 +12,9 @@ import pytest
 from pdserve.engine.types import NodeInfo, NodeStats
 from router.metrics import RouterMetrics
 from router.nodes import Node
-from router.placement import DECISIONS, LOCAL, REMOTE, Placement, prefill_rate
+from router.placement import DECISIONS, LOCAL, REMOTE, prefill_rate
 from router.retry import RetryPolicy, runs
-from tests.helpers.fake_nodes import FakeNode, Routes, disaggregated, prepared
+from tests.helpers.fake_nodes import FakeNode, Routes, disaggregated, placement_rule, prepared
 
 
 def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding: int = 0):
@@ -29,19 +29,19 @@ def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding:
 
 
 def test_remote_mode_always_hands_over():
-    placement = Placement("remote")
+    placement = placement_rule("remote")
     assert placement.decide(1, node("d"), node("p")).where == REMOTE
 
 
 def test_threshold_mode_splits_on_prompt_length():
-    placement = Placement("threshold", threshold_tokens=256)
+    placement = placement_rule("threshold", threshold_tokens=256)
     assert placement.decide(256, node("d"), node("p")).where == LOCAL
     assert placement.decide(257, node("d"), node("p")).where == REMOTE
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="unknown placement mode 'both'"):
-        Placement("both")
+    with pytest.raises(ValueError, match="router.placement.mode|mode"):
+        placement_rule("both")
 
 
 def test_a_rate_needs_measured_prompt_compute():
@@ -56,7 +56,7 @@ def test_a_rate_needs_measured_prompt_compute():
 def test_adaptive_uses_the_prefill_pool_while_it_is_in_time():
     """Empty queues: the prefill node gives the first token well within the target, so the
     decode node's steps stay pure decode (even though local would be sooner by the hand-over)."""
-    placement = Placement("adaptive", initial_handover_s=0.1, ttft_target_s=0.5)
+    placement = placement_rule("adaptive", initial_handover_s=0.1, ttft_target_s=0.5)
     decode, prefill = node("d", rate=500), node("p", rate=500)
     decision = placement.decide(64, decode, prefill)
     assert (decision.where, decision.reason) == (REMOTE, "remote_in_time")
@@ -67,7 +67,7 @@ def test_adaptive_uses_the_prefill_pool_while_it_is_in_time():
 def test_a_short_prompt_does_not_wait_behind_a_long_prefill():
     """A 1536-token prompt queued on the prefill node (3 s at 500 tokens/s): a 64-token prompt
     is computed on its decode node instead, a 128-token one would stall its streams too long."""
-    placement = Placement("adaptive", stall_budget_s=0.15, ttft_target_s=0.5)
+    placement = placement_rule("adaptive", stall_budget_s=0.15, ttft_target_s=0.5)
     behind_long = node("p", rate=500, prefilling=1536)
     decision = placement.decide(64, node("d", rate=500, outstanding=4), behind_long)
     assert (decision.where, decision.reason) == (LOCAL, "prefill_backlog")
@@ -80,7 +80,7 @@ def test_a_short_prompt_does_not_wait_behind_a_long_prefill():
 
 def test_a_busy_decode_node_sends_its_prompts_away_even_late():
     """Both sides backed up and the decode node no sooner: remote."""
-    placement = Placement("adaptive")
+    placement = placement_rule("adaptive")
     decision = placement.decide(
         64, node("d", rate=1000, prefilling=3000), node("p", rate=1000, prefilling=2000)
     )
@@ -90,26 +90,26 @@ def test_a_busy_decode_node_sends_its_prompts_away_even_late():
 
 def test_adaptive_step_cap_bounds_the_stall():
     """With the engines capping a prompt's tokens per step, only one step's share stalls."""
-    capped = Placement("adaptive", stall_budget_s=0.15, step_cap_tokens=64)
+    capped = placement_rule("adaptive", stall_budget_s=0.15, step_cap_tokens=64)
     decode = node("d", rate=1000, outstanding=2)
     behind_long = node("p", rate=1000, prefilling=4000)
     assert capped.estimate(1024, decode, behind_long).stall_s == pytest.approx(0.064)
     assert capped.decide(1024, decode, behind_long).where == LOCAL
-    uncapped = Placement("adaptive").estimate(1024, decode, behind_long)
+    uncapped = placement_rule("adaptive").estimate(1024, decode, behind_long)
     assert uncapped.stall_s == pytest.approx(1.024)
 
 
 def test_adaptive_uses_measured_rates_before_the_assumed_one():
     """A decode node that never prefilled borrows the prefill node's measured rate; with no
     measurement anywhere the configured one stands in."""
-    placement = Placement("adaptive", assumed_prefill_tokens_per_s=100.0, initial_handover_s=0)
+    placement = placement_rule("adaptive", assumed_prefill_tokens_per_s=100.0, initial_handover_s=0)
     estimate = placement.estimate(100, node("d"), node("p", rate=1000))
     assert estimate.local_ttft_s == pytest.approx(0.1)
     assert placement.estimate(100, node("d"), node("p")).local_ttft_s == pytest.approx(1.0)
 
 
 def test_the_handover_estimate_follows_measurements():
-    placement = Placement("adaptive", initial_handover_s=1.0)
+    placement = placement_rule("adaptive", initial_handover_s=1.0)
     for _ in range(40):
         placement.observe_handover(0.02)
     assert placement.handover_s == pytest.approx(0.02, abs=1e-3)
@@ -125,7 +125,7 @@ async def run(dispatcher, request):
 
 async def test_a_local_decision_is_served_whole_by_the_decode_node():
     p, d = FakeNode("p0"), FakeNode("d0")
-    dispatcher = disaggregated([p], [d], placement=Placement("threshold", threshold_tokens=8))
+    dispatcher = disaggregated([p], [d], placement=placement_rule("threshold", threshold_tokens=8))
     dispatcher.observer = routes = Routes()
     assert await run(dispatcher, prepared(max_tokens=3, prompt_len=8)) == [104, 105, 106]
     assert not p.calls and [c.method for c in d.calls] == ["generate"]
@@ -162,9 +162,11 @@ async def test_queued_prefill_work_is_counted_until_the_first_token():
 
 async def test_the_metrics_count_each_decision_from_zero():
     dispatcher = disaggregated(
-        [FakeNode("p0")], [FakeNode("d0")], placement=Placement("threshold", threshold_tokens=8)
+        [FakeNode("p0")],
+        [FakeNode("d0")],
+        placement=placement_rule("threshold", threshold_tokens=8),
     )
-    metrics = RouterMetrics(dispatcher.pools, "disaggregated")
+    metrics = RouterMetrics(dispatcher.pools, "disaggregated", tpot_target_s=0.1)
     metrics.watch(dispatcher)
     text = metrics_text(metrics)
     for reason, where in DECISIONS["threshold"].items():

@@ -9,11 +9,10 @@ from pdserve.engine.types import NodeInfo, NodeStats
 from router import seam
 from router.errors import PoolUnavailable
 from router.nodes import Node
-from router.placement import Placement
 from router.policies import make_policy
 from router.pools import Pool
 from router.routing import Routing
-from tests.helpers.fake_nodes import FakeNode, sampling
+from tests.helpers.fake_nodes import FakeNode, placement_rule, sampling
 
 
 def node(name: str, rate: float = 1000.0, **counts) -> Node:
@@ -35,7 +34,7 @@ def routing(prefill=(), decode=(), mode="adaptive", fallback=True) -> Routing:
     return Routing(
         pool("decode", *(decode or [node("d0")])),
         pool("prefill", *prefill),
-        Placement(mode, initial_handover_s=0.1),
+        placement_rule(mode, initial_handover_s=0.1),
         fallback,
     )
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pdserve.cli import main
+from pdserve.config import AutoscaleConfig, PlacementConfig
 from pdserve.roofline.specs import PRESETS
 from pdserve.roofline.stepmodel import Fit, StepModel, save_calibration
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
@@ -63,7 +64,7 @@ def test_disaggregated_request_crosses_the_seam():
         link_bytes_per_s=1e9,
         link_latency_s=0.001,
         handover_latency_s=0.002,
-        placement="remote",
+        placement=PlacementConfig(mode="remote"),
     )
     prompt = 1000
     result = simulate(topology, [SimRequest(0, 0.0, prompt, 3)])
@@ -82,20 +83,33 @@ def test_adaptive_placement_keeps_a_short_prompt_off_a_busy_prefill_node():
     per_token = slow.seconds(SMOL, 1, 1, 0, 0, 0)
     step = StepModel(0.0, 0.0, per_token * 1000, FREE, 0.0, "1k tokens/s")
     requests = [SimRequest(0, 0.0, 3000, 4), SimRequest(1, 0.1, 50, 4)]
-    topology = Topology(SMOL, prefill=[_node(step)], decode=[_node(step)], placement="adaptive")
+    topology = Topology(
+        SMOL,
+        prefill=[_node(step)],
+        decode=[_node(step)],
+        placement=PlacementConfig(mode="adaptive"),
+    )
     result = simulate(topology, requests)
     # the long one: 3 s either way, too long to stall the decode node with
     assert result.placements == {"remote/stall": 1, "local/prefill_backlog": 1}
     long, short = result.records
     assert short.ttft < 0.2 < long.ttft
     remote = simulate(
-        Topology(SMOL, prefill=[_node(step)], decode=[_node(step)], placement="remote"), requests
+        Topology(
+            SMOL,
+            prefill=[_node(step)],
+            decode=[_node(step)],
+            placement=PlacementConfig(mode="remote"),
+        ),
+        requests,
     )
     assert remote.records[1].ttft > 2.0  # behind the long prompt's first chunk
 
 
 def test_least_outstanding_spreads_over_decode_nodes():
-    topology = Topology(SMOL, prefill=[_node()], decode=[_node(), _node()], placement="remote")
+    topology = Topology(
+        SMOL, prefill=[_node()], decode=[_node(), _node()], placement=PlacementConfig(mode="remote")
+    )
     requests = [SimRequest(i, 0.0, 10, 50) for i in range(10)]
     result = simulate(topology, requests)
     assert result.busy_share["decode-0"] == pytest.approx(result.busy_share["decode-1"], rel=0.2)
@@ -153,10 +167,10 @@ def test_simulate_cli_writes_a_report(tmp_path, capsys):
 
 
 def test_autoscale_rule_holds_moves_and_respects_bounds_and_cooldown():
-    from router.autoscale import AutoscalePolicy, Autoscaler
+    from router.autoscale import Autoscaler
 
-    policy = AutoscalePolicy(
-        cooldown_s=30, reversal_s=35, high=1.5, min_pressure=0.5, max_prefill=3
+    policy = AutoscaleConfig(
+        enabled=True, cooldown_s=30, reversal_s=35, high=1.5, min_pressure=0.5, max_prefill=3
     )
     scaler = Autoscaler(policy)
     assert scaler.decide(0, None, 0.5, 1, 3).reason == "no_signal"
@@ -170,13 +184,12 @@ def test_autoscale_rule_holds_moves_and_respects_bounds_and_cooldown():
     assert scaler.decide(40, 0.2, 0.9, 3, 1).action == "to_decode"
     assert scaler.decide(80, 0.2, 0.9, 1, 3).reason == "at_bounds"  # prefill at its minimum
     with pytest.raises(ValueError, match="high"):
-        AutoscalePolicy(high=1.0)
+        AutoscaleConfig(enabled=True, high=1.0)
     with pytest.raises(ValueError, match="decode"):
-        AutoscalePolicy(min_decode=0)
+        AutoscaleConfig(enabled=True, min_decode=0)
 
 
 def test_autoscaled_pools_follow_a_shift_to_long_prompts():
-    from router.autoscale import AutoscalePolicy
 
     step = gpu_step_model("h100-sxm")
     llama = PRESETS["llama-3-8b"]
@@ -191,14 +204,14 @@ def test_autoscaled_pools_follow_a_shift_to_long_prompts():
             prefill=[node] * 2,
             decode=[node] * 6,
             link_bytes_per_s=50e9,
-            placement="remote",
+            placement=PlacementConfig(mode="remote"),
             autoscale=autoscale,
             tpot_target_s=0.05,
         )
         return simulate(topology, requests, keep_tokens=False)
 
     fixed = run(None)
-    scaled = run(AutoscalePolicy(interval_s=2, cooldown_s=4))
+    scaled = run(AutoscaleConfig(enabled=True, interval_s=2, cooldown_s=4))
     assert fixed.moves == []
     assert scaled.moves and all(m["action"] == "to_prefill" for m in scaled.moves)
     assert scaled.moves[0]["at_s"] > 30  # nothing moves while decode is the heavier side
@@ -233,7 +246,7 @@ def test_simulate_refuses_bad_settings(args, says, tmp_path, capsys):
 
 def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
     from pdserve.engine.types import NodeStats
-    from router.autoscale import AutoscalePolicy, PoolScaler
+    from router.autoscale import PoolScaler
     from router.metrics import RouterMetrics
     from router.nodes import Node
     from router.policies import make_policy
@@ -258,8 +271,12 @@ def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
     )
     decodes = [node("d0", 3, 2.0, 200, running=5), node("d1", 3, 2.0, 200, running=1)]
     decode = Pool("decode", decodes, make_policy("round_robin", "decode"))
-    metrics = RouterMetrics({"prefill": prefill, "decode": decode}, "disaggregated")
-    scaler = PoolScaler(prefill, decode, AutoscalePolicy(cooldown_s=60), tpot_target_s=0.1)
+    metrics = RouterMetrics(
+        {"prefill": prefill, "decode": decode}, "disaggregated", tpot_target_s=0.1
+    )
+    scaler = PoolScaler(
+        prefill, decode, AutoscaleConfig(enabled=True, cooldown_s=60), tpot_target_s=0.1
+    )
     metrics.watch_autoscale(scaler)
     # prefill: 0.9 of its time + 8/64 queued; decode: 10 ms steps of a 100 ms budget, or slots
     assert scaler.pressure(prefill, "prefill") == pytest.approx(1.025)
@@ -277,10 +294,15 @@ def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
 
 
 def test_autoscale_replicas_when_the_cluster_is_short_or_idle():
-    from router.autoscale import AutoscalePolicy, Autoscaler
+    from router.autoscale import Autoscaler
 
-    policy = AutoscalePolicy(
-        cooldown_s=10, add_above=0.8, remove_below=0.1, remove_after_s=10, max_decode=3
+    policy = AutoscaleConfig(
+        enabled=True,
+        cooldown_s=10,
+        add_above=0.8,
+        remove_below=0.1,
+        remove_after_s=10,
+        max_decode=3,
     )
     scaler = Autoscaler(policy)
     # both pools pressed: one more node for the heavier one, if the cluster has room
@@ -303,14 +325,14 @@ def test_autoscale_replicas_when_the_cluster_is_short_or_idle():
     assert scaler.decide(90, 0.01, 0.05, 1, 1).reason == "idle"
     assert scaler.decide(200, 0.01, 0.05, 1, 1).reason == "idle"
     with pytest.raises(ValueError, match="remove_below"):
-        AutoscalePolicy(add_above=0.5, remove_below=0.5)
+        AutoscaleConfig(enabled=True, add_above=0.5, remove_below=0.5)
 
 
 async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
     import asyncio
 
     from pdserve.engine.types import NodeStats
-    from router.autoscale import AutoscalePolicy, PoolScaler
+    from router.autoscale import PoolScaler
     from router.nodes import Node
     from router.policies import make_policy
     from router.pools import Pool
@@ -339,7 +361,9 @@ async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
     prefill = Pool("prefill", [node("p0")], make_policy("round_robin", "prefill"))
     decode = Pool("decode", [node("d0")], make_policy("round_robin", "decode"))
     factory = Factory()
-    policy = AutoscalePolicy(cooldown_s=0, add_above=1.0, remove_below=0.1, remove_after_s=0)
+    policy = AutoscaleConfig(
+        enabled=True, cooldown_s=0, add_above=1.0, remove_below=0.1, remove_after_s=0
+    )
     scaler = PoolScaler(prefill, decode, policy, 0.1, factory=factory)
     # prefill: its queue (1.0); decode: full slots and its queue (2.0): the decode pool grows
     assert scaler.check(now=1).action == "add_decode"

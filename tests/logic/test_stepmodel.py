@@ -252,7 +252,7 @@ def test_window_step_times_and_the_exported_series():
             "decode", [node("d0", 2.0, 1.0, "roofline")], make_policy("least_outstanding", "decode")
         ),
     }
-    metrics = RouterMetrics(pools, "disaggregated", window_s=30)
+    metrics = RouterMetrics(pools, "disaggregated", window_s=30, tpot_target_s=0.1)
     values = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())

@@ -54,7 +54,7 @@ async def router(default_model_dir):
 
     nodes = {"p0": FakeNode("p0"), "d0": FakeNode("d0")}
     dispatcher = disaggregated([nodes["p0"]], [nodes["d0"]])
-    metrics = RouterMetrics(dispatcher.pools, dispatcher.mode)
+    metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
     metrics.watch(dispatcher)
     frontend = Frontend(str(default_model_dir), "smol", 2048)
     service = RouterService(frontend, dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
