@@ -26,11 +26,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from pdserve.config import PDServeConfig
 from pdserve.engine import budget
-from pdserve.engine.actor import EngineActor, create_engine_actor
+from pdserve.engine.actor import EngineActor
 from pdserve.engine.types import KVLoadFailed, TokenDelta
-from pdserve.kv import vllm_kv_transfer_config
 
 FAILURE_REASON_WAIT_S = 2.0
 """How long to wait for the connector's reason for a failed pull (it arrives with the same or
@@ -75,36 +73,3 @@ class DecodeNode(EngineActor):
                     return KVLoadFailed(*why)
             await asyncio.sleep(0.02)
         return KVLoadFailed("unknown", "the engine reported a KV load failure")
-
-
-def cluster_hosts(kv_host: str) -> tuple[str, ...]:
-    """Where prefill nodes' KV servers can be: the address they bind to, or (bound to every
-    interface) the Ray nodes' addresses they advertise."""
-    import ray
-
-    hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
-    if kv_host not in ("0.0.0.0", "::"):
-        hosts.add(kv_host)
-    return tuple(sorted(hosts))
-
-
-def create_decode_node(
-    config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
-):
-    """Place decode node `replica` with the decode pool's resources; `.start.remote()` next. Its
-    connector pulls only from this cluster's KV servers."""
-    kv, pool = config.kv_transfer, config.pools.decode
-    return create_engine_actor(
-        DecodeNode,
-        f"pdserve-decode-{replica}",
-        model_dir,
-        served,
-        config.engine,
-        pool,
-        replica,
-        kv_transfer=vllm_kv_transfer_config(
-            "kv_consumer",
-            kv.connector_settings(secret, 0, cluster_hosts(kv.host)),
-            kv.failure_policy,
-        ),
-    )

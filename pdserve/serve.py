@@ -17,17 +17,15 @@ import secrets
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import ray
 
 from pdserve.config import DEFAULT_MODEL, PDServeConfig
 from pdserve.model_prep import prepare_default_model
+from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools
 from pdserve.roofline.serving import default_chunk_size
 
 logger = logging.getLogger(__name__)
-
-ENGINE_START_TIMEOUT_S = 600.0
 
 
 def resolve_model(config: PDServeConfig) -> Path:
@@ -79,56 +77,6 @@ def _init_ray(config: PDServeConfig) -> bool:
     )
     logger.info("started a local Ray (%s CPUs)", ray.cluster_resources().get("CPU"))
     return True
-
-
-def _start_pools(
-    config: PDServeConfig, model_dir: Path, served: str, secret: str
-) -> dict[str, list]:
-    """Place every node of the configured mode's pools: {pool name: [actor, ...]}."""
-    if config.mode == "colocated":
-        from pdserve.engine.actor import EngineActor, create_engine_actor
-
-        pool = config.pools.colocated
-        return {
-            "colocated": [
-                create_engine_actor(
-                    EngineActor,
-                    f"pdserve-colocated-{replica}",
-                    str(model_dir),
-                    served,
-                    config.engine,
-                    pool,
-                    replica,
-                )
-                for replica in range(pool.replicas)
-            ]
-        }
-    from decode_node.node import create_decode_node
-    from prefill_node.node import create_prefill_node
-
-    if config.pools.autoscale.enabled:  # every node can take either role
-        from pdserve.flex import create_flex_node
-
-        first = {"prefill": 0, "decode": config.pools.prefill.replicas}
-        return {
-            name: [
-                create_flex_node(
-                    config, str(model_dir), served, name, replica, secret, first[name] + replica
-                )
-                for replica in range(getattr(config.pools, name).replicas)
-            ]
-            for name in ("prefill", "decode")
-        }
-    return {
-        "prefill": [
-            create_prefill_node(config, str(model_dir), served, replica, secret)
-            for replica in range(config.pools.prefill.replicas)
-        ],
-        "decode": [
-            create_decode_node(config, str(model_dir), served, replica, secret)
-            for replica in range(config.pools.decode.replicas)
-        ],
-    }
 
 
 def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list]):
@@ -248,79 +196,6 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
         await pool.stop_watching()
 
 
-class RayNodeFactory:
-    """Starts and stops `kv_both` nodes for the autoscaler (router/autoscale.py's NodeFactory),
-    within the Ray cluster's free resources; every actor it starts is in `actors` (stopped with
-    the rest at exit). A node takes the lowest replica number of its role and the lowest node
-    index (its KV port is `kv_transfer.port` + index) that no living node holds: a cluster that
-    grows and shrinks all day reuses them instead of counting past the port range."""
-
-    def __init__(
-        self, config: PDServeConfig, model_dir: Path, served: str, secret: str, actors: list
-    ) -> None:
-        self.config, self.model_dir, self.served, self.secret = config, model_dir, served, secret
-        self.actors = actors
-        pools = config.pools
-        self.replicas = {
-            "prefill": set(range(pools.prefill.replicas)),
-            "decode": set(range(pools.decode.replicas)),
-        }
-        """Replica numbers held, by role (the pools' own nodes hold the first ones)."""
-        self.indexes = set(range(pools.prefill.replicas + pools.decode.replicas))
-        self.held: dict[Any, tuple[str, int, int]] = {}
-        """Actor -> (role, replica, index) of the nodes started here."""
-
-    @staticmethod
-    def _lowest_free(held: set[int]) -> int:
-        return next(i for i in range(len(held) + 1) if i not in held)
-
-    def _needs(self, role: str) -> dict[str, float]:
-        pool = getattr(self.config.pools, role)
-        needs = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
-        return {name: amount for name, amount in needs.items() if amount}
-
-    def can_add(self, role: str) -> bool:
-        free = ray.available_resources()
-        return all(free.get(name, 0.0) >= amount for name, amount in self._needs(role).items())
-
-    async def add(self, role: str):
-        from pdserve.flex import create_flex_node
-        from router.nodes import Node
-        from router.ray_nodes import RayNodeClient
-
-        replica, index = self._lowest_free(self.replicas[role]), self._lowest_free(self.indexes)
-        actor = create_flex_node(
-            self.config, str(self.model_dir), self.served, role, replica, self.secret, index
-        )
-        self.replicas[role].add(replica)
-        self.indexes.add(index)
-        self.held[actor] = (role, replica, index)
-        self.actors.append(actor)
-        try:
-            info = await asyncio.wait_for(actor.start.remote(), ENGINE_START_TIMEOUT_S)
-        except BaseException:
-            self._stop(actor)
-            raise
-        logger.info("%s engine %s up in %.1f s (pid %s)", role, info.name, info.start_s, info.pid)
-        return Node(info.name, RayNodeClient(actor), info)
-
-    async def remove(self, node) -> None:
-        actor = node.client.handle
-        try:
-            await asyncio.wait_for(actor.shutdown.remote(), 60)
-        finally:
-            self._stop(actor)
-
-    def _stop(self, actor) -> None:
-        ray.kill(actor)
-        if actor in self.actors:
-            self.actors.remove(actor)
-        if actor in self.held:
-            role, replica, index = self.held.pop(actor)
-            self.replicas[role].discard(replica)
-            self.indexes.discard(index)
-
-
 def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory):
     """The autoscaler over the prefill and decode pools, when `pools.autoscale` is enabled."""
     if not config.pools.autoscale.enabled:
@@ -366,7 +241,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     actors: list = []
     try:
         secret = config.kv_transfer.secret or secrets.token_hex(32)
-        pools = _start_pools(config, model_dir, served, secret)
+        pools = place_pools(config, str(model_dir), served, secret)
         actors = [actor for group in pools.values() for actor in group]
         names = [(name, i) for name, group in pools.items() for i in range(len(group))]
         started_infos = ray.get(

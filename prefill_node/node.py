@@ -21,10 +21,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.config import PDServeConfig
-from pdserve.engine.actor import EngineActor, create_engine_actor
+from pdserve.engine.actor import EngineActor
 from pdserve.engine.types import TokenDelta
-from pdserve.kv import vllm_kv_transfer_config
 from pdserve.kv.handle import producer_params
 
 
@@ -76,24 +74,3 @@ class PrefillNode(EngineActor):
             "pdserve_give_back", args=(request_id, float(deadline))
         )
         return any(freed)
-
-
-def create_prefill_node(
-    config: PDServeConfig, model_dir: str, served: str, replica: int, secret: str
-):
-    """Place prefill node `replica` with the prefill pool's resources; `.start.remote()` next.
-    Its KV server listens on `kv_transfer.port + replica` (or a free port when that is 0)."""
-    kv, pool = config.kv_transfer, config.pools.prefill
-    port = kv.port + replica if kv.port else 0
-    return create_engine_actor(
-        PrefillNode,
-        f"pdserve-prefill-{replica}",
-        model_dir,
-        served,
-        config.engine,
-        pool,
-        replica,
-        kv_transfer=vllm_kv_transfer_config(
-            "kv_producer", kv.connector_settings(secret, port), kv.failure_policy
-        ),
-    )

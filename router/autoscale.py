@@ -18,7 +18,7 @@ pool's work uses. Their ratio says which pool is the bottleneck. The rule, check
 4. otherwise hold: `balanced`, `idle` (the heavier pool has slack anyway) or `at_bounds`.
 One node per decision: the signal after a move says whether another is needed.
 
-A move needs engines that play either role (vLLM's kv_both, pdserve/flex.py): such an engine
+A move needs engines that play either role (vLLM's kv_both, flex_node/node.py): such an engine
 keeps serving what it has and takes new work in its new role, with no reload. `PoolScaler` runs
 the rule in the router (`pools.autoscale`); `pdserve simulate --autoscale` on the simulated
 cluster. Every check is counted in `pdserve_autoscale_decisions_total{action, reason}`; a move is

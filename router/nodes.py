@@ -47,6 +47,10 @@ class NodeClient(ABC):
         it. A node that keeps no KV for others has none to free."""
         return False
 
+    async def shutdown(self) -> None:
+        """Shut the node's engine down (the autoscaler stops a node it drained)."""
+        raise NotImplementedError
+
     async def drop_engine(self) -> None:
         """End the node's engine (it is stuck); the node stays up without one, so its next health
         check says so and the pool builds a new engine."""

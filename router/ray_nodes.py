@@ -63,6 +63,9 @@ class RayNodeClient(NodeClient):
     async def drop_engine(self) -> None:
         await self._call("drop_engine")
 
+    async def shutdown(self) -> None:
+        await self._call("shutdown")
+
     async def step_records(self, seen: int = 0) -> dict[str, Any]:
         return await self._call("step_records", seen)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("pdserve", "router", "prefill_node", "decode_node", "pdserve_proto")
+PACKAGES = ("pdserve", "router", "prefill_node", "decode_node", "flex_node", "pdserve_proto")
 HEAVY = ("vllm", "ray", "torch", "transformers", "grpc")
 
 ALLOWED = {
@@ -33,15 +33,18 @@ ALLOWED = {
         "pdserve.roofline",
         "router",
     },
-    "pdserve.flex": {
+    "flex_node": {"pdserve.engine", "prefill_node", "decode_node"},
+    "pdserve.nodes": {
         "pdserve.config",
         "pdserve.engine",
         "pdserve.kv",
         "prefill_node",
         "decode_node",
+        "flex_node",
+        "router",
     },
     "pdserve.serve": {
-        "pdserve.flex",
+        "pdserve.nodes",
         "pdserve.config",
         "pdserve.engine",
         "pdserve.model_prep",

@@ -207,14 +207,14 @@ async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_lef
     size instead of counting up past the port range."""
     from types import SimpleNamespace
 
-    import pdserve.flex
-    import pdserve.serve as serve
+    import pdserve.nodes as nodes
     from pdserve.config import PDServeConfig
     from pdserve.engine.types import NodeInfo
 
     started = []
 
-    def create_flex_node(config, model_dir, served, role, replica, secret, index):
+    def place_node(config, model_dir, served, secret, kind, role, replica, index):
+        assert kind == "flex"
         name = f"pdserve-{role}-{replica}"
         started.append((name, index))
 
@@ -232,10 +232,16 @@ async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_lef
         actor.shutdown = SimpleNamespace(remote=shutdown)
         return actor
 
-    monkeypatch.setattr(pdserve.flex, "create_flex_node", create_flex_node)
-    monkeypatch.setattr(serve.ray, "kill", lambda actor: None)
+    monkeypatch.setattr(nodes, "place_node", place_node)
+    monkeypatch.setattr(nodes.ray, "kill", lambda actor: None)
+    shut = []
+
+    async def client_shutdown(client):
+        shut.append(client)
+
+    monkeypatch.setattr("router.ray_nodes.RayNodeClient.shutdown", client_shutdown)
     actors = []
-    factory = serve.RayNodeFactory(PDServeConfig(), "/model", "m", "s", actors)
+    factory = nodes.RayNodeFactory(PDServeConfig(), "/model", "m", "s", actors)
     for _ in range(100):
         first = await factory.add("prefill")
         second = await factory.add("decode")
@@ -243,6 +249,7 @@ async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_lef
         await factory.remove(second)
     assert {name for name, _ in started} == {"pdserve-prefill-1", "pdserve-decode-1"}
     assert {index for _, index in started} == {2, 3} and actors == []
+    assert len(shut) == 200  # each node's engine shut down through its client
     kept = await factory.add("decode")
     assert started[-1] == ("pdserve-decode-1", 2)
     assert kept.name == "pdserve-decode-1"
