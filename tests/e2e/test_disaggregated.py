@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -228,9 +229,11 @@ def test_prefill_node_killed_falls_back_then_rejoins(client, server, corpus_text
         deadline = time.monotonic() + 30
         while node(server, "prefill")["outstanding"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert node(server, "prefill")["outstanding"] >= 1  # the kill lands on prefills
         os.kill(pid, signal.SIGKILL)
         outcomes = [f.result(timeout=240) for f in futures]
     assert all(o == "completed" or o.startswith("error") for o in outcomes), outcomes
+    assert "completed" in outcomes, outcomes  # retried, then prefilled on the decode node
     deadline = time.monotonic() + 30
     while (
         health(server)["pools"]["prefill"]["nodes"][0]["pid"] == pid
@@ -464,12 +467,19 @@ def _streams_through(server, kill, count: int = 3) -> list[dict]:
     """`count` greedy streams; `kill()` runs once the decode node is running them. Returns, per
     stream, its text, error events and usage."""
 
+    under_way = threading.Semaphore(0)  # released once per stream, at its 20th event
+
     def stream_one(_):
         body = {**STREAM, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream(
             "POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=300
         ) as response:
-            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 20:
+                        under_way.release()
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         return {
@@ -480,10 +490,12 @@ def _streams_through(server, kill, count: int = 3) -> list[dict]:
 
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
         futures = [pool.submit(stream_one, i) for i in range(count)]
-        deadline = time.monotonic() + 60
+        for _ in range(count):  # every stream well under way
+            assert under_way.acquire(timeout=120), "a stream sent no 20 events in 120 s"
+        deadline = time.monotonic() + 10  # on the decode node, as its stats say (each second)
         while node(server, "decode")["running"] < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.0)  # let the streams get well under way
+        assert node(server, "decode")["running"] >= 1
         kill()
         return [f.result(timeout=280) for f in futures]
 

@@ -97,9 +97,14 @@ def test_collector_splits_step_time_by_token_mix_and_adds_work():
     collector.record(_scheduler(_details(96, 1, 32, 32, 200.0)), None)
     assert stats.busy_seconds_total == pytest.approx(0.2)
     assert stats.prompt_busy_seconds_total == pytest.approx(0.2 * 96 / 128)
-    expected = step_work(SMOL, 96, 1, 32, 32, 300)
-    assert stats.estimated_flops_total == pytest.approx(expected.flops)
-    assert stats.estimated_bytes_total == pytest.approx(expected.bytes)
+    # by hand, as in the two tests above: 96 prompt tokens of one prompt and 32 decoding
+    # sequences holding 300 context tokens; the LM head for 33 sequences
+    attention = 4 * 9 * 64 * 30 * (96 * 96 / 2 + 300)
+    head = 2 * 33 * 576 * 49152
+    flops = 128 * linear_flops_per_token(SMOL) + head + attention
+    assert stats.estimated_flops_total == pytest.approx(flops)
+    kv = kv_bytes_per_token(SMOL)  # the context read, the prompt's own K/V read, all K/V written
+    assert stats.estimated_bytes_total == pytest.approx(weight_bytes(SMOL) + kv * (300 + 96 + 128))
     collector.record(_scheduler(None), None)  # no details (e.g. a stats-only update): no work
     assert stats.engine_steps_total == 2 and stats.busy_seconds_total == pytest.approx(0.2)
 
