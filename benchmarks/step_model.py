@@ -5,7 +5,9 @@
 2. Restart pdserve with the calibration in place (PDSERVE_CALIBRATION_DIR): the engines now
    price each step with it (the live predicted/measured series).
 3. Run three bench workloads (Poisson arrivals): chat (128 → 64 at 2 req/s), long output
-   (512 → 128 at 0.5 req/s), interference (64 → 128 at 1 req/s + 1536 → 16 every 10 s).
+   (512 → 128 at 0.5 req/s), interference (64 → 128 at 1 req/s + 1536 → 16 every 10 s), and
+   a denser interference mix, the one the simulator was once 25–36 % off on (64 → 96 at 1.5
+   req/s + 1536 → 8 every 8 s).
 4. For each, predict the p50 TTFT and TPOT with the planner (calibrated, and the roofline at the
    engines' measured peaks for reference), and the p50/p90 TTFT and ITL with the simulator
    replaying the same requests; compare with what was measured. Also: the calibrated model's
@@ -39,6 +41,7 @@ from pdserve.bench.client import run_load, served_model  # noqa: E402
 from pdserve.bench.compare import pdserve_server  # noqa: E402
 from pdserve.bench.report import write_json  # noqa: E402
 from pdserve.bench.stats import percentile, summarize  # noqa: E402
+from pdserve.bench.sweep import placement_snapshot  # noqa: E402
 from pdserve.bench.workload import Workload, build_requests  # noqa: E402
 from pdserve.roofline import model as rf  # noqa: E402
 from pdserve.roofline.plan import Workload as PlanWorkload  # noqa: E402
@@ -57,6 +60,10 @@ WORKLOADS = {
     "chat": (Workload("fixed", 128, 64), 2.0),
     "long-output": (Workload("fixed", 512, 128), 0.5),
     "interference": (Workload("interference", 64, 128, long_prompt_len=1536), 1.0),
+    "interference-8s": (
+        Workload("interference", 64, 96, long_prompt_len=1536, long_output_len=8, long_every_s=8),
+        1.5,
+    ),
 }
 TARGET = 0.20
 
@@ -205,9 +212,16 @@ def main() -> int:
                 asyncio.run(run_load(url, warm, model, None, None, None, 300))
                 held_out_errors(calibration, calibrate.fetch_steps(url), seen)
                 requests = build_requests(workload, count, "poisson", rate, seed=0)
+                before = placement_snapshot(httpx.get(f"{url}/metrics", timeout=30).text)
                 records, duration = asyncio.run(
                     run_load(url, requests, model, None, None, None, 300)
                 )
+                after = placement_snapshot(httpx.get(f"{url}/metrics", timeout=30).text)
+                placed = {
+                    key: int(value - before["placements"].get(key, 0))
+                    for key, value in after["placements"].items()
+                    if value - before["placements"].get(key, 0)
+                }
                 steps = held_out_errors(calibration, calibrate.fetch_steps(url), seen)
                 live = _metric(
                     httpx.get(f"{url}/metrics", timeout=30).text, "pdserve_node_step_time_ratio"
@@ -228,6 +242,7 @@ def main() -> int:
                     },
                     "measured": figures(measured),
                     "simulated": figures(sim_summary),
+                    "measured_placements": placed,
                     "simulated_placements": sim["placements"],
                     "planner": predicted,
                     "held_out_steps": steps,
@@ -247,6 +262,12 @@ def _cell(predicted: float | None, measured: float | None) -> str:
     error = predicted / measured - 1
     mark = "" if abs(error) <= TARGET else " ✗"
     return f"{predicted * 1e3:.0f} ({error:+.0%}){mark}"
+
+
+def _placements(counts: dict | None) -> str:
+    if not counts:
+        return "–"
+    return ", ".join(f"{key} {value}" for key, value in sorted(counts.items()))
 
 
 def _attention(seconds_per_flop: float) -> str:
@@ -312,16 +333,32 @@ def report(results: dict) -> str:
         "",
         "## Simulator: the same requests replayed, ms (error against measured)",
         "",
-        "| workload | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 |",
-        "|---|---|---|---|---|",
+        "| workload | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | TPOT p50 |",
+        "|---|---|---|---|---|---|",
     ]
     for name, w in results["workloads"].items():
         m, s = w["measured"], w["simulated"]
         cells = [
             f"{m[key] * 1e3:.0f} → {_cell(s[key], m[key])}"
-            for key in ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s")
+            for key in ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s", "tpot_p50_s")
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Where prompts were computed, measured → simulated (where/reason: requests)",
+        "",
+        "The router's placement reads each engine's prefill rate over its whole life; the served",
+        "cluster ran the workloads one after another, the simulator starts each afresh — so near",
+        "the stall budget the two can decide differently for the same request.",
+        "",
+        "| workload | measured | simulated |",
+        "|---|---|---|",
+    ]
+    for name, w in results["workloads"].items():
+        lines.append(
+            f"| {name} | {_placements(w.get('measured_placements'))} | "
+            f"{_placements(w['simulated_placements'])} |"
+        )
     lines += [
         "",
         "## The step model on steps it was not fitted on",
