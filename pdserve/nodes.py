@@ -55,6 +55,11 @@ def _actor_class(kind: str) -> type:
 KV_ROLES = {"colocated": None, "prefill": "kv_producer", "decode": "kv_consumer", "flex": "kv_both"}
 
 
+def node_name(pool: str, replica: int) -> str:
+    """A node's name (its Ray actor's, and the router's for it)."""
+    return f"pdserve-{pool}-{replica}"
+
+
 def cluster_hosts(kv_host: str) -> tuple[str, ...]:
     """Where prefill nodes' KV servers can be: the address they bind to, or (bound to every
     interface) the Ray nodes' addresses they advertise."""
@@ -74,8 +79,8 @@ def place_node(
     replica: int,
     index: int = 0,
 ):
-    """Place node `replica` of pool `pool` as a `kind` engine actor (named
-    `pdserve-<pool>-<replica>`); `.start.remote()` next. `index` numbers the nodes that serve
+    """Place node `replica` of pool `pool` as a `kind` engine actor (named by `node_name`);
+    `.start.remote()` next. `index` numbers the nodes that serve
     KV (their port offset)."""
     from pdserve.engine.actor import create_engine_actor
 
@@ -92,7 +97,7 @@ def place_node(
         )
     return create_engine_actor(
         _actor_class(kind),
-        f"pdserve-{pool}-{replica}",
+        node_name(pool, replica),
         model_dir,
         served,
         config.engine,
@@ -174,7 +179,7 @@ class RayNodeFactory:
         actor = place_node(
             self.config, str(self.model_dir), self.served, self.secret, "flex", role, replica, index
         )
-        name = f"pdserve-{role}-{replica}"
+        name = node_name(role, replica)
         self.replicas[role].add(replica)
         self.indexes.add(index)
         self.held[name] = (actor, role, replica, index)

@@ -28,7 +28,7 @@ from typing import Any
 from router import seam
 from router.errors import PoolUnavailable
 from router.nodes import Node
-from router.placement import DECISIONS, LOCAL, Estimate, Placement
+from router.placement import DECISIONS, LOCAL, REMOTE, Estimate, Placement
 from router.pools import Pool
 
 WHOLE_REASONS = ("colocated", "no_decode_node", "one_token", "one_engine", "no_prefill_node")
@@ -55,6 +55,11 @@ class Route:
     @property
     def split(self) -> bool:
         return self.prefill is not None
+
+    @property
+    def where(self) -> str:
+        """Where the prompt is computed, as the placement metric labels it."""
+        return REMOTE if self.split else LOCAL
 
     def legs(self) -> list[tuple[str, str]]:
         """(pool, node) of each leg, in order (what `pdserve_routing_decisions_total` counts)."""

@@ -413,7 +413,7 @@ class Simulator:
         """Placements as the router's metric labels them (where/reason); other routes by
         reason."""
         if route.placed(self.placement.mode):
-            key = f"{'remote' if route.split else 'local'}/{route.reason}"
+            key = f"{route.where}/{route.reason}"
         else:
             key = route.reason
         self.placements[key] = self.placements.get(key, 0) + 1

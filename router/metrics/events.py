@@ -151,8 +151,7 @@ class RouterMetrics:
         elif route.reason == "no_decode_node":
             self.decode_fallbacks.inc()
         elif route.placed(self._placement_mode):
-            where = "remote" if route.split else "local"
-            self.placements.labels(where=where, reason=route.reason).inc()
+            self.placements.labels(where=route.where, reason=route.reason).inc()
 
     def handed_over(self, seconds: float) -> None:
         self.handover_gap.observe(seconds)
