@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from router import clock
 from router.metrics.balance import Window, cost_pressure, pool_load
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class PoolScaler:
         return self.prefill if role == "prefill" else self.decode
 
     def check(self, now: float | None = None) -> Decision:
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         decision = self.autoscaler.decide(
             now,
             self.pressure(self.prefill, "prefill"),
@@ -278,7 +278,7 @@ class PoolScaler:
             logger.error("autoscale: starting a %s node failed: %r", role, error)
             return
         self._pool(role).nodes.append(node)
-        self.autoscaler.last_change = time.monotonic()  # the cool-down runs from the join
+        self.autoscaler.last_change = clock.now()  # the cool-down runs from the join
         logger.info(
             "autoscale: %s joined the %s pool; now %d prefill, %d decode",
             node.name,
@@ -288,8 +288,8 @@ class PoolScaler:
         )
 
     async def _remove(self, node: Any) -> None:
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while node.outstanding and time.monotonic() < deadline:
+        deadline = clock.now() + DRAIN_TIMEOUT_S
+        while node.outstanding and clock.now() < deadline:
             await asyncio.sleep(0.5)
         try:
             await self.factory.remove(node)

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, Protocol
 
 from pdserve.engine.types import KVLoadFailed, TokenDelta
-from router import seam
+from router import clock, seam
 from router.errors import EngineFailed, KVTransferFailed
 from router.nodes import Node
 from router.placement import Placement
@@ -115,7 +114,7 @@ class Dispatcher:
     ) -> AsyncIterator[TokenDelta]:
         sample_first = route.first_token == seam.FIRST_ON_PREFILL
         prefill_node, first = await self._prefill(route.prefill, prepared, deadline, sample_first)
-        handed_over = time.monotonic()
+        handed_over = clock.now()
         first_tokens: list[int] = []
         ended = False  # the decode leg ran to its end (it read the KV, or had none to read)
         try:
@@ -138,7 +137,7 @@ class Dispatcher:
             async with aclosing(leg):
                 async for delta in leg:
                     if handed_over is not None and delta.token_ids:
-                        self._handover(time.monotonic() - handed_over)
+                        self._handover(clock.now() - handed_over)
                         handed_over = None
                     if delta.num_cached_tokens is not None:
                         # the prompt was computed on the prefill node: its cache hits count

@@ -7,7 +7,6 @@ the router (pools, policies, dispatch, metrics) works on `Node`s and never impor
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
+from router import clock
 
 STATS_HISTORY = 120
 """Stats samples kept per node (two minutes at the 1 s health-check interval)."""
@@ -85,7 +85,7 @@ class Node:
     next_start: float = 0.0
     """Monotonic time before which no new engine build is tried."""
     missed_checks: int = 0
-    last_heard: float = field(default_factory=time.monotonic)
+    last_heard: float = field(default_factory=clock.now)
     """When the node last answered (a delta on any of its streams, or a health check): a node
     silent for longer than the pool's `silence_s` is treated as lost (router/pools.py)."""
     stuck: bool = False

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -22,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.types import STEP_FIELDS
+from router import clock
 from router.auth import authorized
 from router.errors import (
     InvalidRequest,
@@ -245,7 +245,7 @@ def create_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def generate(kind: str, request: Request):
-        started = time.monotonic()
+        started = clock.now()
         try:
             _check_auth(api_key, request)
             body = await _json_body(request, max_request_bytes, body_timeout_s)
@@ -260,7 +260,7 @@ def create_app(
             len(prepared.prompt_token_ids),
             prepared.sampling_params.max_tokens,
             prepared.stream,
-            (time.monotonic() - started) * 1e3,
+            (clock.now() - started) * 1e3,
         )
         if prepared.stream:
             # wait for the first token before answering: a request the engine refuses (or that

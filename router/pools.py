@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.engine.types import RequestRejected, TokenDelta
+from router import clock
 from router.errors import DeadlineExceeded, InvalidRequest, NodeFailed, PoolUnavailable
 from router.metrics.balance import counters
 from router.nodes import Node
@@ -65,24 +65,62 @@ class Hearing:
     own last word and that return, and only while some node is heard."""
 
     def __init__(self) -> None:
-        self.heard_any = time.monotonic()
+        self.heard_any = clock.now()
         self.resumed_at = 0.0
 
     def heard(self, node: Node) -> None:
-        node.last_heard = self.heard_any = time.monotonic()
+        node.last_heard = self.heard_any = clock.now()
 
     def woke(self, asked_s: float, slept_s: float) -> None:
         """A timer asked to wait `asked_s` waited `slept_s`: late enough, the loop was stalled."""
         if slept_s > asked_s + LAG_S:
-            self.resumed_at = time.monotonic()
+            self.resumed_at = clock.now()
 
     def silent_for(self, node: Node, bound_s: float) -> float:
         """Seconds the node has been silent beyond `bound_s` (0: not silent)."""
-        now = time.monotonic()
+        now = clock.now()
         if now - self.heard_any > bound_s / 2:
             return 0.0  # nobody is heard: the router is what stopped hearing
         quiet = now - max(node.last_heard, self.resumed_at)
         return quiet if quiet > bound_s else 0.0
+
+
+class _Watch:
+    """A stream's watch over its node: every quarter of `silence_s` it looks whether the node
+    fell silent or its engine is stuck, and if so while the stream waits for the node
+    (`armed`), it cancels the stream's task, which the stream turns into `failure` (as
+    `asyncio.timeout` turns its cancel into TimeoutError). One timer per stream, none per
+    delta."""
+
+    def __init__(self, pool: Pool, node: Node) -> None:
+        self.pool, self.node = pool, node
+        self.task = asyncio.current_task()
+        self.armed = False
+        self.failure: NodeFailed | None = None
+        self._poll_s = pool.silence_s / 4
+        self._timer: asyncio.TimerHandle | None = None
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._asked = clock.now()
+        self._timer = asyncio.get_running_loop().call_later(self._poll_s, self._look)
+
+    def _look(self) -> None:
+        self.pool.hearing.woke(self._poll_s, clock.now() - self._asked)
+        if self.armed:
+            quiet = self.pool.silent_for(self.node)
+            if quiet:
+                self.failure = NodeFailed(f"silent for {quiet:.1f} s (host or link down?)")
+            elif self.node.stuck:  # the request may be what hung it
+                self.failure = NodeFailed("its engine is stuck", died=True)
+            if self.failure is not None:
+                self.task.cancel()
+                return
+        self._schedule()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 COMPUTES_PROMPT = ("prefill", "generate")
@@ -138,7 +176,7 @@ class Pool:
         node.prefilling_tokens += computing
         deltas = node.client.stream(method, request_id, prompt_token_ids, *args)
         try:  # closing the node's stream (below) cancels the call on the node
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            async with asyncio.timeout(max(0.0, deadline - clock.now())):
                 async for delta in self._while_heard(node, deltas):
                     node.prefilling_tokens -= computing
                     computing = 0
@@ -178,31 +216,26 @@ class Pool:
     async def _while_heard(
         self, node: Node, deltas: AsyncIterator[TokenDelta]
     ) -> AsyncIterator[TokenDelta]:
-        """`deltas`, ended with `NodeFailed` once the node has been silent for `silence_s`."""
-        poll_s = self.silence_s / 4
-        while True:
-            step = asyncio.ensure_future(anext(deltas))
-            try:
-                while not step.done():
-                    slept = time.monotonic()
-                    await asyncio.wait((step,), timeout=poll_s)
-                    if not step.done():
-                        self.hearing.woke(poll_s, time.monotonic() - slept)
-                    quiet = self.silent_for(node)
-                    if quiet and not step.done():
-                        raise NodeFailed(f"silent for {quiet:.1f} s (host or link down?)")
-                    if node.stuck and not step.done():  # the request may be what hung it
-                        raise NodeFailed("its engine is stuck", died=True)
-            finally:  # leaving early (silence, deadline, the caller gone): stop the read
-                if not step.done():
-                    step.cancel()
-                    await asyncio.gather(step, return_exceptions=True)
-            try:
-                delta = step.result()
-            except StopAsyncIteration:
-                return
-            self.hearing.heard(node)
-            yield delta
+        """`deltas`, ended with `NodeFailed` once the node has been silent for `silence_s` (or
+        its engine is stuck) while the router waits for its next delta."""
+        watch = _Watch(self, node)
+        try:
+            while True:
+                watch.armed = True
+                try:
+                    delta = await anext(deltas)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if watch.failure is None or watch.task.uncancel():
+                        raise  # not the watch's doing (the caller left, a deadline)
+                    raise watch.failure from None
+                finally:
+                    watch.armed = False
+                self.hearing.heard(node)
+                yield delta
+        finally:
+            watch.close()
 
     # ---- membership ----------------------------------------------------------------------------
 
@@ -221,9 +254,9 @@ class Pool:
             while True:
                 for node in list(self.nodes):
                     self._check(node)
-                slept = time.monotonic()
+                slept = clock.now()
                 await asyncio.sleep(interval_s)
-                self.hearing.woke(interval_s, time.monotonic() - slept)
+                self.hearing.woke(interval_s, clock.now() - slept)
         finally:
             checks = [node.checking for node in self.nodes if node.checking is not None]
             for check in checks:
@@ -250,7 +283,7 @@ class Pool:
                 self.hearing.heard(node)
                 node.stats = await node.client.stats()
                 node.reported = True
-                node.history.append((time.monotonic(), counters(node.stats)))
+                node.history.append((clock.now(), counters(node.stats)))
                 if healthy and self._stalled(node):
                     await self._drop_stuck_engine(node)
                     return
@@ -271,7 +304,7 @@ class Pool:
             return
         node.missed_checks = 0
         if not healthy:  # restarted by Ray, or its engine died: the actor is up, no engine
-            if time.monotonic() < node.next_start:
+            if clock.now() < node.next_start:
                 return  # its last build failed: waiting before the next
             self.mark_failed(node, "no engine; building one")
             node.restarting = True
@@ -283,7 +316,7 @@ class Pool:
 
     def _stalled(self, node: Node) -> bool:
         """Whether the node's engine holds requests and has not stepped for `stall_s`."""
-        stats, now = node.stats, time.monotonic()
+        stats, now = node.stats, clock.now()
         holds = node.outstanding > 0 or stats.running + stats.waiting > 0
         steps, since = node.steps_seen
         if stats.engine_steps_total != steps or not holds:
@@ -298,7 +331,7 @@ class Pool:
         node.stuck = True
         self.mark_failed(
             node,
-            f"engine stuck: no step in {time.monotonic() - node.steps_seen[1]:.0f} s with "
+            f"engine stuck: no step in {clock.now() - node.steps_seen[1]:.0f} s with "
             f"{stats.running} running, {stats.waiting} waiting, {node.outstanding} open here",
         )
         try:
@@ -316,7 +349,7 @@ class Pool:
             node.failed_starts += 1
             first, most = RESTART_BACKOFF_S
             wait = min(most, first * 2 ** (node.failed_starts - 1))
-            node.next_start = time.monotonic() + wait
+            node.next_start = clock.now() + wait
             self.mark_failed(node, f"restart: {type(error).__name__}")
             logger.error(
                 "%s node %s: building its engine failed %d time(s) in a row (%s); next try in "

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from router import clock
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class PreparedRequest:
     stream's continuation (`seam.continued`); each node derives its leg's own."""
     stream: bool
     shape: ResponseShape = field(default_factory=ResponseShape)
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=clock.now)
     internal_id: str = field(default_factory=lambda: f"pds-{uuid.uuid4().hex}")
     """pdserve's own id for the request on the nodes: its legs' vLLM request ids, so the KV
     handle's and the lease's. Made here, never from a client's field: a client's id may be long,

@@ -1,52 +1,60 @@
-"""A discrete-event simulator of a pdserve cluster, driven by the calibrated step-time model.
+"""A simulator of a pdserve cluster: the router's own code over engines driven by the calibrated
+step-time model, in virtual time.
 
-What is simulated, and how closely it follows what runs:
-- **Engines** step like vLLM's scheduler: each step first gives every running request its next
-  tokens (one per decoding sequence, the next chunk of a prompt being computed), then admits
-  waiting requests in arrival order while there are batch slots (`max_num_seqs`) and token
-  budget (`max_num_batched_tokens`). A step costs what the node's `StepModel` says for its token
-  mix; a step that admits handed-over requests also pays their KV pull (sync load: the pull holds
-  the step). At the step's end each sequence that finished its prompt or decoded samples a token.
-- **The router's routing is the router's own code**: each request's route comes from
-  `router.routing.Routing` over `router.pools.Pool`s of the simulated engines' `Node`s — the same
-  policies, load functions and placement rule, reading the same live state: the router's own
-  counts, updated at once, and engine stats refreshed once per second, as the router's health
-  checks do. The hand-over gap the router measures feeds the placement's average as it does in
-  the router.
+What runs, and how closely it follows what is served:
+- **The router is the router's code**: `router.pools.Pool`s (their calls, counts, deadlines,
+  silences and one-per-second health checks), `router.dispatch.Dispatcher` (the one routing
+  decision, `router.routing.Routing`, and the legs it runs: prefill, hand-over, decode) and, with
+  `autoscale`, `router.autoscale.PoolScaler` — on an asyncio loop whose clock jumps to its next
+  timer (pdserve/sim/loop.py). What the router's metrics would count (routes, hand-over gaps,
+  moves) is kept as they are told it.
+- **Engines** (`SimNode`, reached as the router reaches a node) step like vLLM's scheduler: each
+  step first gives every running request its next tokens (one per decoding sequence, the next
+  chunk of a prompt being computed), then admits waiting requests in arrival order while there
+  are batch slots (`max_num_seqs`) and token budget (`max_num_batched_tokens`). A step costs what
+  the node's `StepModel` says for its token mix; a step that admits handed-over requests also
+  pays their KV pull (sync load: the pull holds the step). At the step's end each sequence that
+  finished its prompt or decoded samples a token. A leg the router leaves is dropped.
 - **The seam**: the prefill node samples the first token (sent to the client), the decode node
   continues from prompt + that token (one token to compute, the rest loaded); a request's KV
-  crosses the link in `kv_bytes / link_bandwidth + link_latency`.
+  crosses the link in `kv_bytes / link_bandwidth + link_latency`, after the router's relay
+  (`handover_latency_s`).
 - **What the client sees**: the first token arrives `request_overhead_s` after the step that
   sampled it, and every decode step costs `token_overhead_s` more than the step model says (both
   measured by `pdserve plan calibrate`: what the router adds on top of the engines' steps).
 Not simulated: prefix caching, preemption (the KV cache is assumed large enough), the engines'
-async output processing, network contention between hand-overs.
+async output processing, network contention between hand-overs, failures.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import asyncio
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pdserve.bench.stats import RequestRecord
 from pdserve.config import AutoscaleConfig, PlacementConfig, RouterConfig
-from pdserve.engine.types import NodeStats
+from pdserve.engine.types import NodeStats, TokenDelta
 from pdserve.roofline.model import kv_bytes_per_token
 from pdserve.roofline.specs import ModelSpec
 from pdserve.roofline.stepmodel import StepModel
-from router.autoscale import Autoscaler
-from router.metrics.balance import Window, cost_pressure
+from pdserve.sim import loop
+from router import clock
+from router.autoscale import Decision, PoolScaler
+from router.dispatch import Dispatcher
 from router.nodes import Node, NodeClient
 from router.placement import Placement
 from router.policies import make_policy
-from router.pools import Pool
-from router.routing import Route, Routing
+from router.pools import Hearing, Pool
+from router.request import PreparedRequest
+from router.routing import Route
 
 STATS_PERIOD_S = 1.0
-"""How often simulated engines report stats to the simulated router (its health-check period)."""
+"""The pools' health-check period (the router's default): how often the router reads stats."""
+DEADLINE_S = 1e9
+"""A simulated request has no deadline."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class _Sampling:
     frequency_penalty: float = 0.0
     bad_words: None = None
     stop: None = None
+    logprobs: None = None
 
 
 @dataclass(frozen=True)
@@ -115,57 +124,120 @@ class Topology:
             raise ValueError("colocated nodes do not mix with prefill/decode pools")
 
 
-class _Client(NodeClient):
-    """Simulated nodes are driven by the simulator; the router-side `Node` never calls them."""
+class _Mailbox:
+    """A leg's tokens on their way to its stream (a lighter asyncio.Queue: one reader)."""
 
-    def stream(self, method, *args):  # pragma: no cover - never called
-        raise NotImplementedError
+    __slots__ = ("items", "waiter")
 
-    async def start(self):  # pragma: no cover
-        raise NotImplementedError
+    def __init__(self) -> None:
+        self.items: deque[TokenDelta] = deque()
+        self.waiter: asyncio.Future | None = None
 
-    async def check_health(self):  # pragma: no cover
-        return True
+    def put(self, delta: TokenDelta) -> None:
+        self.items.append(delta)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
-    async def stats(self):  # pragma: no cover
-        raise NotImplementedError
+    async def get(self) -> TokenDelta:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.items.popleft()
 
 
 @dataclass(eq=False)
 class _Seq:
-    """A request on one engine."""
+    """A request (one leg of it) on one engine."""
 
-    request: SimRequest
     to_compute: int
     """Prompt tokens left to compute on this engine."""
     to_generate: int
-    """Tokens this engine still samples (1 on a prefill node)."""
+    """Tokens this engine still samples (1 on a prefill leg)."""
     context: int
     """Tokens in this sequence's KV cache."""
+    deltas: _Mailbox
+    """Where its tokens go, as `TokenDelta`s (the leg's stream reads them)."""
     pull_s: float = 0.0
     """KV pull the step admitting it pays (a handed-over request)."""
-    on_token: Callable[[float], None] | None = None
-    on_done: Callable[[float], None] | None = None
+    handle: dict | None = None
+    """A prefill leg's last delta carries it: what the decode leg pulls."""
+    done: bool = False
 
 
-class SimEngine:
-    """One engine's continuous batching."""
+class SimNode(NodeClient):
+    """One simulated engine, reached the way the router reaches a node: `stream` runs a leg
+    ("generate", "prefill", "decode") and yields its tokens as the engine's steps sample them;
+    `check_health` and `stats` answer the pool's health checks. It serves either role, so the
+    autoscaler may move it."""
 
-    def __init__(self, name: str, spec: NodeSpec, model: ModelSpec, sim: Simulator) -> None:
-        self.name, self.spec, self.model, self.sim = name, spec, model, sim
+    def __init__(self, name: str, spec: NodeSpec, topology: Topology) -> None:
+        self.spec, self.topology = spec, topology
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.busy = False
-        self.node = Node(name, _Client())
-        self.node.stats = NodeStats(max_num_seqs=spec.max_num_seqs)
-        self.node.reported = True
         self.totals = NodeStats(max_num_seqs=spec.max_num_seqs)
+        self.node = Node(name, self)
 
-    def add(self, seq: _Seq) -> None:
+    # -- the node as the router calls it ---------------------------------------------------------
+
+    def stream(self, method: str, request_id: str, prompt: list[int], params: Any, *rest: Any):
+        return self._leg(method, len(prompt), params, *rest)
+
+    async def _leg(self, method: str, prompt: int, params: Any, *rest: Any):
+        deltas = _Mailbox()
+        if method == "generate":
+            seq = _Seq(prompt, params.max_tokens, 0, deltas)
+        elif method == "prefill":
+            seq = _Seq(prompt, 1, 0, deltas, handle={"num_tokens": prompt})
+        else:  # decode: the prompt's KV is pulled, the first token (when given) computed here
+            first_tokens, handle = rest
+            topology = self.topology
+            kv_bytes = handle["num_tokens"] * kv_bytes_per_token(topology.model)
+            pull_s = kv_bytes / topology.link_bytes_per_s + topology.link_latency_s
+            seq = _Seq(1, params.max_tokens - len(first_tokens), prompt, deltas, pull_s)
+            await asyncio.sleep(topology.handover_latency_s)
+        self._add(seq)
+        try:
+            while True:
+                delta = await deltas.get()
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            if not seq.done:  # the caller left: the engine drops the request
+                self._drop(seq)
+
+    async def check_health(self) -> bool:
+        return True
+
+    async def stats(self) -> NodeStats:
+        totals = self.totals
+        return replace(
+            totals,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            predicted_busy_seconds_total=totals.busy_seconds_total,  # steps take what the
+            busy_steps_total=totals.engine_steps_total,  # model says
+        )
+
+    async def start(self):  # pragma: no cover - a simulated node never restarts
+        raise NotImplementedError
+
+    # -- the engine ------------------------------------------------------------------------------
+
+    def _add(self, seq: _Seq) -> None:
         self.waiting.append(seq)
         self.totals.requests_started_total += 1
         if not self.busy:
             self._start_step()
+
+    def _drop(self, seq: _Seq) -> None:
+        seq.done = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self.totals.requests_finished_total += 1
 
     def _start_step(self) -> None:
         budget = self.spec.max_num_batched_tokens
@@ -196,10 +268,10 @@ class SimEngine:
                 decode_seqs += 1
                 context += seq.context
         seconds = self.spec.step.seconds(
-            self.model, prompt, prompt_seqs, decode, decode_seqs, context
+            self.topology.model, prompt, prompt_seqs, decode, decode_seqs, context
         )
         if decode:
-            seconds += self.sim.topology.token_overhead_s
+            seconds += self.topology.token_overhead_s
         seconds += pulls
         totals = self.totals
         totals.busy_seconds_total += seconds
@@ -207,42 +279,28 @@ class SimEngine:
         totals.prompt_tokens_computed_total += prompt
         totals.engine_steps_total += 1
         self.busy = True
-        self.sim.at(self.sim.now + seconds, lambda: self._end_step(scheduled))
+        loop = asyncio.get_running_loop()
+        loop.call_at(loop.time() + seconds, self._end_step, scheduled)
 
     def _end_step(self, scheduled: list[tuple[_Seq, int]]) -> None:
-        now = self.sim.now
         for seq, take in scheduled:
-            if seq.to_compute:
-                seq.to_compute -= take
-                seq.context += take
-                if seq.to_compute:
-                    continue  # the prompt's next chunk comes in a later step
-            else:
-                seq.context += 1
+            if seq.done:
+                continue  # dropped during the step
+            seq.context += take
+            seq.to_compute -= take
+            if seq.to_compute > 0:
+                continue  # the prompt's next chunk comes in a later step
+            seq.to_compute = 0
             seq.to_generate -= 1
-            if seq.on_token:
-                seq.on_token(now)
-            if seq.to_generate <= 0:
+            last = seq.to_generate <= 0
+            seq.deltas.put(
+                TokenDelta([0], "", "length" if last else None, handle=seq.handle if last else None)
+            )
+            if last:
+                seq.done = True
                 self.running.remove(seq)
                 self.totals.requests_finished_total += 1
-                if seq.on_done:
-                    seq.on_done(now)
         self._start_step()
-
-    def report(self) -> None:
-        """What the router's health check would read now."""
-        stats = self.node.stats
-        for name in (
-            "busy_seconds_total",
-            "prompt_busy_seconds_total",
-            "prompt_tokens_computed_total",
-            "requests_started_total",
-            "requests_finished_total",
-            "engine_steps_total",
-        ):
-            setattr(stats, name, getattr(self.totals, name))
-        stats.running = len(self.running)
-        stats.waiting = len(self.waiting)
 
 
 @dataclass
@@ -257,133 +315,78 @@ class SimResult:
 
 
 class Simulator:
+    """The router's own pools, routing, dispatch, health checks and autoscaler over `SimNode`s,
+    in virtual time (pdserve/sim/loop.py)."""
+
     def __init__(self, topology: Topology, keep_tokens: bool = True) -> None:
         self.topology = topology
         self.keep_tokens = keep_tokens
-        self.now = 0.0
-        self._events: list = []
-        self._order = itertools.count()
-        m = topology.model
-
-        def pool(role: str, specs: Sequence[NodeSpec]) -> list[SimEngine]:
-            return [SimEngine(f"{role}-{i}", spec, m, self) for i, spec in enumerate(specs)]
-
-        self.prefill = pool("prefill", topology.prefill)
-        self.decode = pool("decode", topology.decode)
-        self.colocated = pool("colocated", topology.colocated)
-        self.placement = Placement(topology.placement)
-        self._engine = {e.name: e for e in self._engines()}
-        if self.colocated:
-            self.routing = Routing(self._pool("colocated", self.colocated))
-        else:
-            self.routing = Routing(
-                self._pool("decode", self.decode),
-                self._pool("prefill", self.prefill),
-                self.placement,
-            )
         self.placements: dict[str, int] = {}
         self.gaps: list[float] = []
-        self.autoscaler = Autoscaler(topology.autoscale) if topology.autoscale else None
         self.moves: list[dict] = []
-        self._seen: dict[str, tuple[float, int]] = {}
-
-    def _pool(self, role: str, engines: list[SimEngine]) -> Pool:
-        return Pool(role, [e.node for e in engines], make_policy(self.topology.policy, role))
-
-    def at(self, when: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (when, next(self._order), action))
-
-    def _engines(self) -> list[SimEngine]:
-        return [*self.prefill, *self.decode, *self.colocated]
-
-    def _report(self) -> None:
-        for engine in self._engines():
-            engine.report()
-        if self._pending:
-            self.at(self.now + STATS_PERIOD_S, self._report)
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        return loop.run(self._run(requests))
+
+    async def _run(self, requests: Sequence[SimRequest]) -> SimResult:
+        topology = self.topology
+
+        def nodes(role: str, specs: Sequence[NodeSpec]) -> list[SimNode]:
+            return [SimNode(f"{role}-{i}", spec, topology) for i, spec in enumerate(specs)]
+
+        self.engines = [
+            *nodes("prefill", topology.prefill),
+            *nodes("decode", topology.decode),
+            *nodes("colocated", topology.colocated),
+        ]
+        hearing = Hearing()
+        self.mode = topology.placement.mode
+
+        def pool(role: str) -> Pool:
+            members = [e.node for e in self.engines if e.node.name.startswith(role)]
+            return Pool(role, members, make_policy(topology.policy, role), hearing=hearing)
+
+        if topology.colocated:
+            pools = [pool("colocated")]
+            self.dispatcher = Dispatcher.colocated(pools[0], self)
+        else:
+            pools = [pool("prefill"), pool("decode")]
+            self.dispatcher = Dispatcher.disaggregated(
+                *pools, True, Placement(topology.placement), self
+            )
+        for p in pools:
+            p.start_watching(STATS_PERIOD_S)
+        scaler = None
+        if topology.autoscale is not None:
+            scaler = PoolScaler(*pools, topology.autoscale, topology.tpot_target_s, self._moved)
+            scaler.start()
         records = [RequestRecord(r.index, r.kind, r.prompt_tokens, r.at_s) for r in requests]
-        self._pending = len(requests)
-        for request, record in zip(requests, records, strict=True):
-            self.at(request.at_s, lambda r=request, rec=record: self._arrive(r, rec))
-        self.at(0.0, self._report)
-        if self.autoscaler is not None:
-            self.at(self.topology.autoscale.interval_s, self._autoscale)
-        while self._events:
-            self.now, _, action = heapq.heappop(self._events)
-            action()
-        busy = {e.name: e.totals.busy_seconds_total / self.now for e in self._engines()}
-        return SimResult(records, self.now, dict(self.placements), self.gaps, busy, self.moves)
+        served = [self._serve(r, rec) for r, rec in zip(requests, records, strict=True)]
+        await asyncio.gather(*served)
+        end = clock.now()
+        if scaler is not None:
+            await scaler.stop()
+        for p in pools:
+            await p.stop_watching()
+        busy = {e.node.name: e.totals.busy_seconds_total / end for e in self.engines}
+        return SimResult(records, end, dict(self.placements), self.gaps, busy, self.moves)
 
-    # -- pools that follow the balance ------------------------------------------------------------
-
-    def _pressure(self, engines: list[SimEngine], role: str, interval: float) -> float | None:
-        """Mean pressure of a pool over the last interval, as router/metrics/balance.py's
-        `cost_pressure` reads it from a node's stats."""
-        values = []
-        for engine in engines:
-            busy, steps = engine.totals.busy_seconds_total, engine.totals.engine_steps_total
-            last_busy, last_steps = self._seen.get(engine.name, (0.0, 0))
-            rate = (busy - last_busy) / interval  # simulated steps take what the model says
-            window = Window(
-                seconds=interval,
-                flops=0.0,
-                bytes=0.0,
-                busy=rate,
-                prompt_busy=0.0,
-                predicted_busy=rate,
-                steps=(steps - last_steps) / interval,
-            )
-            stats = NodeStats(
-                running=len(engine.running),
-                waiting=len(engine.waiting),
-                max_num_seqs=engine.spec.max_num_seqs,
-            )
-            values.append(cost_pressure(role, window, self.topology.tpot_target_s, stats))
-        return sum(values) / len(values) if values else None
-
-    def _autoscale(self) -> None:
-        policy = self.topology.autoscale
-        prefill = self._pressure(self.prefill, "prefill", policy.interval_s)
-        decode = self._pressure(self.decode, "decode", policy.interval_s)
-        for engine in self._engines():
-            self._seen[engine.name] = (
-                engine.totals.busy_seconds_total,
-                engine.totals.engine_steps_total,
-            )
-        decision = self.autoscaler.decide(
-            self.now, prefill, decode, len(self.prefill), len(self.decode)
+    async def _serve(self, request: SimRequest, record: RequestRecord) -> None:
+        """One client: sends at its time, reads every token the router streams back."""
+        await asyncio.sleep(request.at_s - clock.now())
+        prepared = PreparedRequest(
+            f"sim-{request.index}",
+            "completion",
+            [0] * request.prompt_tokens,
+            _Sampling(request.output_tokens),
+            stream=True,
         )
-        if decision.action != "hold":
-            source, target = (
-                (self.decode, self.prefill)
-                if decision.action == "to_prefill"
-                else (self.prefill, self.decode)
-            )
-            # the least busy engine changes role; what it runs, it finishes
-            engine = min(source, key=lambda e: (e.node.outstanding, len(e.running)))
-            source.remove(engine)
-            target.append(engine)
-            self.routing.prefill.nodes = [e.node for e in self.prefill]
-            self.routing.decode.nodes = [e.node for e in self.decode]
-            self.moves.append(
-                {
-                    "at_s": self.now,
-                    "action": decision.action,
-                    "engine": engine.name,
-                    "ratio": decision.ratio,
-                    "prefill": len(self.prefill),
-                    "decode": len(self.decode),
-                }
-            )
-        if self._pending:
-            self.at(self.now + policy.interval_s, self._autoscale)
+        async for delta in self.dispatcher.deltas(prepared, clock.now() + DEADLINE_S):
+            self._token(record, clock.now(), len(delta.token_ids))
+        record.end_s = max(clock.now(), record.end_s or 0.0)
 
-    # -- the router --------------------------------------------------------------------------
-
-    def _token(self, record: RequestRecord, when: float) -> None:
-        """A token reaches the client (the first one after the router's measured overhead).
+    def _token(self, record: RequestRecord, when: float, count: int) -> None:
+        """Tokens reach the client (the first one after the router's measured overhead).
         Without `keep_tokens` only the first token's time is kept (TTFT and TPOT, no ITL)."""
         if not record.token_times_s:
             when += self.topology.request_overhead_s
@@ -391,105 +394,36 @@ class Simulator:
             when = max(when, record.token_times_s[-1])  # a stream delivers in order
         if self.keep_tokens or not record.token_times_s:
             record.token_times_s.append(when)
-            record.token_counts.append(1)
-        record.output_tokens += 1
+            record.token_counts.append(count)
+        record.output_tokens += count
         record.end_s = when
 
-    def _finish(self, record: RequestRecord, when: float) -> None:
-        record.end_s = max(when, record.end_s or when)
-        self._pending -= 1
+    # -- what the router tells its metrics, kept ------------------------------------------------
 
-    def _arrive(self, request: SimRequest, record: RequestRecord) -> None:
-        route = self.routing.route(request.prompt_tokens, _Sampling(request.output_tokens))
-        self._count(route)
-        if route.split:
-            self._remote(
-                self._engine[route.node.name], self._engine[route.prefill.name], request, record
-            )
-        else:
-            self._whole(self._engine[route.node.name], request, record)
-
-    def _count(self, route: Route) -> None:
+    def routed(self, route: Route) -> None:
         """Placements as the router's metric labels them (where/reason); other routes by
         reason."""
-        if route.placed(self.placement.mode):
-            key = f"{route.where}/{route.reason}"
-        else:
-            key = route.reason
+        key = f"{route.where}/{route.reason}" if route.placed(self.mode) else route.reason
         self.placements[key] = self.placements.get(key, 0) + 1
 
-    def _whole(self, engine: SimEngine, request: SimRequest, record) -> None:
-        node = engine.node
-        node.outstanding += 1
-        node.outstanding_prompt_tokens += request.prompt_tokens
-        node.prefilling_tokens += request.prompt_tokens
-        first = [True]
+    def handed_over(self, seconds: float) -> None:
+        self.gaps.append(seconds)
 
-        def on_token(when: float) -> None:
-            if first[0]:
-                first[0] = False
-                node.prefilling_tokens -= request.prompt_tokens
-            self._token(record, when)
-
-        def on_done(when: float) -> None:
-            node.outstanding -= 1
-            node.outstanding_prompt_tokens -= request.prompt_tokens
-            self._finish(record, when)
-
-        engine.add(
-            _Seq(request, request.prompt_tokens, request.output_tokens, 0, 0.0, on_token, on_done)
+    def _moved(self, decision: Decision) -> None:
+        if decision.reason != "moved":
+            return
+        prefill, decode = self.dispatcher.prefill, self.dispatcher.decode
+        target = prefill if decision.action == "to_prefill" else decode
+        self.moves.append(
+            {
+                "at_s": clock.now(),
+                "action": decision.action,
+                "engine": target.nodes[-1].name,
+                "ratio": decision.ratio,
+                "prefill": len(prefill.nodes),
+                "decode": len(decode.nodes),
+            }
         )
-
-    def _remote(self, decode: SimEngine, prefill: SimEngine, request: SimRequest, record) -> None:
-        p_node, d_node = prefill.node, decode.node
-        d_node.outstanding += 1
-        d_node.outstanding_prompt_tokens += request.prompt_tokens
-        p_node.outstanding += 1
-        p_node.outstanding_prompt_tokens += request.prompt_tokens
-        p_node.prefilling_tokens += request.prompt_tokens
-        topology = self.topology
-        kv_bytes = request.prompt_tokens * kv_bytes_per_token(topology.model)
-        pull_s = kv_bytes / topology.link_bytes_per_s + topology.link_latency_s
-        first_at: list[float] = []
-
-        def decode_token(when: float) -> None:
-            if len(first_at) == 1:
-                gap = when - first_at[0]
-                first_at.append(when)
-                self.gaps.append(gap)
-                self.placement.observe_handover(gap)
-            self._token(record, when)
-
-        def decode_done(when: float) -> None:
-            d_node.outstanding -= 1
-            d_node.outstanding_prompt_tokens -= request.prompt_tokens
-            self._finish(record, when)
-
-        def prefilled(when: float) -> None:
-            p_node.prefilling_tokens -= request.prompt_tokens
-            self._token(record, when)
-            first_at.append(when)
-
-        def handed_over(when: float) -> None:
-            p_node.outstanding -= 1
-            p_node.outstanding_prompt_tokens -= request.prompt_tokens
-            if request.output_tokens <= 1:
-                d_node.outstanding -= 1
-                d_node.outstanding_prompt_tokens -= request.prompt_tokens
-                self._finish(record, when)
-                return
-            seq = _Seq(
-                request,
-                1,
-                request.output_tokens - 1,
-                request.prompt_tokens,
-                pull_s,
-                decode_token,
-                decode_done,
-            )
-            self.at(when + topology.handover_latency_s, lambda: decode.add(seq))
-
-        prefill.add(_Seq(request, request.prompt_tokens, 1, 0, 0.0, prefilled, handed_over))
 
 
 def simulate(

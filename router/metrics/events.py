@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from router import clock
 from router.metrics.cluster import PoolCollector
 from router.placement import DECISIONS
 
@@ -168,7 +168,7 @@ class RequestTimer:
         self, metrics: RouterMetrics, api: str, arrival: float | None = None, live: bool = True
     ) -> None:
         self.metrics, self.api, self.live = metrics, api, live
-        self.arrival = arrival if arrival is not None else time.monotonic()
+        self.arrival = arrival if arrival is not None else clock.now()
         self.first: float | None = None
         self.last: float | None = None
         self.count = 0
@@ -178,7 +178,7 @@ class RequestTimer:
     def tokens(self, count: int) -> None:
         if count <= 0:
             return
-        now = time.monotonic()
+        now = clock.now()
         if self.first is None:
             self.first = now
             if self.live:

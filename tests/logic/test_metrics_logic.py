@@ -195,7 +195,7 @@ def test_pool_collector_exports_nodes_pools_and_balance():
 def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
     metrics = RouterMetrics({}, "colocated", tpot_target_s=0.1)
     clock = iter([1.5, 1.7, 2.1, 2.1])  # first token, +1 token, +2 tokens, finish
-    monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(events_module.clock, "now", lambda: next(clock))
     timer = RequestTimer(metrics, "http", arrival=1.0)
     timer.tokens(1)
     timer.tokens(1)
@@ -218,7 +218,7 @@ def test_a_buffered_timer_observes_only_the_run_that_served_the_request(monkeypa
     dropped, and the latencies of the served run are observed once, at the end."""
     metrics = RouterMetrics({}, "colocated", tpot_target_s=0.1)
     clock = iter([1.2, 1.4, 3.0, 3.5])  # failed run: 2 tokens; served run: 2 tokens
-    monkeypatch.setattr(events_module.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(events_module.clock, "now", lambda: next(clock))
     timer = RequestTimer(metrics, "http", arrival=1.0, live=False)
     timer.tokens(1)
     timer.tokens(1)
