@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from router import clock
-from router.metrics.balance import Window, cost_pressure, pool_load
+from router.metrics.balance import cost_pressure, pool_load
+from router.rates import Window
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ Three modes (`router.placement.mode`):
   where L is the prompt's length, Qp / Qd the prompt tokens the router has sent the prefill
   node it would use (router/routing.py chooses it first) / the decode node to compute and not
   yet seen a token of, Rp / Rd
-  their prefill rates in tokens/s (each engine's own prompt tokens per second of prompt compute,
-  from its stats; another node's, or `assumed_prefill_tokens_per_s`, before it has any), H the
+  their prefill rates in tokens/s (each engine's own prompt tokens per second of prompt compute
+  over the last minute of its stats, `prefill_rate`; another node's, or
+  `assumed_prefill_tokens_per_s`, before it has any), H the
   recent hand-over gap (prefill token to the decode node's first token, an exponential average of
   what the router measures), and cap the engines' `long_prefill_token_threshold` (0: none).
   The rule:
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from router.nodes import Node
+from router.rates import Window
 
 Where = Literal["remote", "local"]
 REMOTE: Where = "remote"
@@ -58,6 +60,9 @@ DECISIONS: dict[str, dict[str, Where]] = {
 node there is no decision to make: that is the prefill fallback (router/routing.py), counted on
 its own."""
 
+RATE_WINDOW_S = 60.0
+"""The span of recent health checks a node's prefill rate is measured over: recent enough to
+follow a change of load or of prompt lengths, long enough to hold several prompts."""
 MIN_BUSY_S = 0.5
 """Prompt compute seconds a node needs behind its rate before the rate is trusted."""
 MIN_TOKENS_PER_PROMPT = 32
@@ -86,15 +91,23 @@ class Decision:
 
 
 def prefill_rate(node: Node) -> float | None:
-    """Prompt tokens per second of prompt compute, from the node's engine stats; None until it
-    has computed for `MIN_BUSY_S`, or while its prompts are mostly one-token continuations."""
-    stats = node.stats
-    if stats.prompt_busy_seconds_total < MIN_BUSY_S or not stats.prompt_tokens_computed_total:
+    """Prompt tokens per second of prompt compute: over the node's last `RATE_WINDOW_S` of
+    health checks (router/rates.py, the windows the balance signal reads too), or over its
+    engine's lifetime while that span holds less than `MIN_BUSY_S` of prompt compute; None until
+    the engine has computed prompts for `MIN_BUSY_S`, or while its prompts are mostly one-token
+    continuations."""
+    window = Window.of(node.history, RATE_WINDOW_S)
+    if window is not None and window.prompt_busy * window.seconds >= MIN_BUSY_S:
+        tokens, busy, requests = window.prompt_tokens, window.prompt_busy, window.requests
+    else:
+        stats = node.stats
+        tokens, busy = stats.prompt_tokens_computed_total, stats.prompt_busy_seconds_total
+        requests = max(1, stats.requests_started_total)
+        if busy < MIN_BUSY_S:
+            return None
+    if not tokens or (requests and tokens / requests < MIN_TOKENS_PER_PROMPT):
         return None
-    per_prompt = stats.prompt_tokens_computed_total / max(1, stats.requests_started_total)
-    if per_prompt < MIN_TOKENS_PER_PROMPT:
-        return None
-    return stats.prompt_tokens_computed_total / stats.prompt_busy_seconds_total
+    return tokens / busy
 
 
 class Placement:

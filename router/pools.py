@@ -36,9 +36,9 @@ from typing import Any
 from pdserve.engine.types import RequestRejected, TokenDelta
 from router import clock
 from router.errors import DeadlineExceeded, InvalidRequest, NodeFailed, PoolUnavailable
-from router.metrics.balance import counters
 from router.nodes import Node
 from router.policies import RoutingPolicy
+from router.rates import counters
 
 logger = logging.getLogger(__name__)
 

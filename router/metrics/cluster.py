@@ -9,13 +9,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pdserve.engine.types import QUEUE_TIME_BUCKETS
 from pdserve.kv.stats import FAILURE_REASONS
 from router.metrics.balance import (
-    Window,
     balance_ratio,
     cost_pressure,
     node_load,
     pool_load,
     step_times,
 )
+from router.rates import Window
 
 
 class PoolCollector:

@@ -18,10 +18,11 @@ from pdserve.roofline.model import kv_bytes_per_token, weight_bytes
 from pdserve.roofline.specs import PRESETS
 from router.metrics import RequestTimer, RouterMetrics
 from router.metrics import events as events_module
-from router.metrics.balance import Window, balance_ratio, counters, node_load, pool_load
+from router.metrics.balance import balance_ratio, node_load, pool_load
 from router.nodes import Node
 from router.policies import make_policy
 from router.pools import Pool
+from router.rates import Window, counters
 
 SMOL = PRESETS["smollm2-135m"]  # 576 hidden, 30 layers, 9 heads, 3 KV heads, 64 head dim, 1536
 
@@ -240,7 +241,8 @@ def test_a_buffered_timer_observes_only_the_run_that_served_the_request(monkeypa
 
 def test_a_prefill_node_inside_a_step_longer_than_the_window_reads_busy_not_idle():
     from pdserve.engine.types import NodeStats
-    from router.metrics.balance import Window, cost_pressure
+    from router.metrics.balance import cost_pressure
+    from router.rates import Window
 
     quiet = Window(seconds=3, flops=0, bytes=0, busy=0, prompt_busy=0, predicted_busy=0, steps=0)
     working = NodeStats(requests_started_total=5, requests_finished_total=4, max_num_seqs=64)

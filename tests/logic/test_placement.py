@@ -53,6 +53,25 @@ def test_a_rate_needs_measured_prompt_compute():
     assert prefill_rate(decode) is None
 
 
+def test_a_rate_follows_the_last_minute_of_health_checks():
+    """Lifetime 500 tokens/s, but the engine's last 30 s ran at 200 (longer prompts, a slower
+    step): the window is what placement reads; a window with too little prompt compute in it
+    leaves the lifetime rate."""
+    measured = node("measured", rate=500)
+
+    def sample(t, tokens, busy, requests):
+        keys = ("prompt_tokens_computed_total", "prompt_busy_seconds_total")
+        return t, dict(zip(keys, (tokens, busy), strict=True), requests_started_total=requests)
+
+    measured.history.extend([sample(0, 5000, 10, 50), sample(30, 5000 + 2000, 20, 60)])
+    assert prefill_rate(measured) == pytest.approx(200)
+    measured.history.clear()
+    measured.history.extend([sample(0, 5000, 10, 50), sample(30, 5040, 10.2, 51)])
+    assert prefill_rate(measured) == pytest.approx(500)
+    measured.history.extend([sample(100, 5040, 10.2, 51)])  # 70 s later: nothing in the window
+    assert prefill_rate(measured) == pytest.approx(500)
+
+
 def test_adaptive_uses_the_prefill_pool_while_it_is_in_time():
     """Empty queues: the prefill node gives the first token well within the target, so the
     decode node's steps stay pure decode (even though local would be sooner by the hand-over)."""

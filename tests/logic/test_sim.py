@@ -1,8 +1,9 @@
-"""The cluster simulator against timings worked out by hand, and its use of the router's own
-placement and routing."""
+"""The cluster simulator against timings worked out by hand, its virtual time, and the router's
+own code (pools, routing, dispatch, autoscaler) running in it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -11,8 +12,10 @@ from pdserve.cli import main
 from pdserve.config import AutoscaleConfig, PlacementConfig
 from pdserve.roofline.specs import PRESETS
 from pdserve.roofline.stepmodel import Fit, StepModel, save_calibration
+from pdserve.sim import loop
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
 from pdserve.sim.main import gpu_step_model, synthetic_requests
+from router import clock
 
 SMOL = PRESETS["smollm2-135m"]
 FREE = 1e30
@@ -22,6 +25,22 @@ FLAT = StepModel(0.010, 0.001, FREE, FREE, 0.0, "flat")
 
 def _node(step=FLAT, seqs=64, chunk=2048) -> NodeSpec:
     return NodeSpec(step, seqs, chunk)
+
+
+def test_virtual_time_jumps_to_the_next_timer_and_a_stuck_run_says_so():
+    async def wait_an_hour():
+        started = asyncio.get_running_loop().time()
+        await asyncio.sleep(3600)
+        return asyncio.get_running_loop().time() - started, clock.now()
+
+    took, router_clock = loop.run(wait_an_hour())
+    assert took == pytest.approx(3600) and router_clock == pytest.approx(3600)
+
+    async def wait_forever():
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(loop.SimulationStuck):
+        loop.run(wait_forever())
 
 
 def test_one_request_on_one_engine():

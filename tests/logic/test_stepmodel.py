@@ -38,10 +38,11 @@ from pdserve.roofline.stepmodel import (
     step_cost,
 )
 from router.metrics import RouterMetrics
-from router.metrics.balance import Window, cost_pressure, step_times
+from router.metrics.balance import cost_pressure, step_times
 from router.nodes import Node
 from router.policies import make_policy
 from router.pools import Pool
+from router.rates import Window
 from tests.logic.test_metrics_logic import _details, _scheduler
 
 SMOL = PRESETS["smollm2-135m"]
