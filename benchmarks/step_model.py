@@ -43,14 +43,14 @@ from pdserve.bench.report import write_json  # noqa: E402
 from pdserve.bench.stats import percentile, summarize  # noqa: E402
 from pdserve.bench.sweep import placement_snapshot  # noqa: E402
 from pdserve.bench.workload import Workload, build_requests  # noqa: E402
+from pdserve.planner.fit import calibration_device  # noqa: E402
+from pdserve.planner.plan import Workload as PlanWorkload  # noqa: E402
+from pdserve.planner.plan import build_plan, decode_batch_at_rate  # noqa: E402
 from pdserve.roofline import model as rf  # noqa: E402
-from pdserve.roofline.plan import Workload as PlanWorkload  # noqa: E402
-from pdserve.roofline.plan import build_plan, decode_batch_at_rate  # noqa: E402
 from pdserve.roofline.specs import DeviceSpec  # noqa: E402
 from pdserve.roofline.stepmodel import (  # noqa: E402
     CALIBRATION_ENV,
     StepRecord,
-    calibration_device,
     load_calibration,
     step_cost,
 )

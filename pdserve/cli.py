@@ -96,9 +96,10 @@ def _loopback(host: str) -> bool:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from pdserve.roofline.plan import Workload, build_plan, format_plan, plot_plan
+    from pdserve.planner.fit import calibration_device
+    from pdserve.planner.plan import Workload, build_plan, format_plan, plot_plan
     from pdserve.roofline.specs import SpecError, load_device, load_model
-    from pdserve.roofline.stepmodel import FitError, calibration_device, load_calibration
+    from pdserve.roofline.stepmodel import FitError, load_calibration
 
     calibration = None
     try:

@@ -28,16 +28,9 @@ import httpx
 from pdserve.bench.client import send, served_model
 from pdserve.bench.stats import RequestRecord
 from pdserve.bench.workload import TOKEN_RANGE, RequestSpec
+from pdserve.planner.fit import Fit, fit, save_calibration
 from pdserve.roofline.specs import ModelSpec
-from pdserve.roofline.stepmodel import (
-    Fit,
-    FitError,
-    StepModel,
-    StepRecord,
-    calibration_path,
-    fit,
-    save_calibration,
-)
+from pdserve.roofline.stepmodel import FitError, StepModel, StepRecord, calibration_path
 
 logger = logging.getLogger(__name__)
 

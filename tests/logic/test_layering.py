@@ -25,7 +25,13 @@ ALLOWED = {
     "prefill_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "decode_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "router": {"pdserve.engine", "pdserve.kv", "pdserve.tls", "pdserve_proto"},
-    "pdserve.bench": {"pdserve.model_prep", "pdserve.config", "pdserve.roofline"},
+    "pdserve.planner": {"pdserve.roofline"},
+    "pdserve.bench": {
+        "pdserve.model_prep",
+        "pdserve.config",
+        "pdserve.planner",
+        "pdserve.roofline",
+    },
     "pdserve.sim": {
         "pdserve.bench",
         "pdserve.config",
@@ -60,12 +66,33 @@ ALLOWED = {
         "pdserve.bench",
         "pdserve.config",
         "pdserve.model_prep",
+        "pdserve.planner",
         "pdserve.roofline",
         "pdserve.serve",
         "pdserve.sim",
     },
 }
 """Package -> the packages it may import (a new edge must be added here, on purpose)."""
+
+RUNTIME = {
+    "pdserve_proto",
+    "pdserve.model_prep",
+    "pdserve.tls",
+    "pdserve.kv",
+    "pdserve.config",
+    "pdserve.roofline",
+    "pdserve.engine",
+    "prefill_node",
+    "decode_node",
+    "flex_node",
+    "router",
+    "pdserve.nodes",
+    "pdserve.serve",
+}
+"""What serves: the roles, the router and the ground they share (the cost model included: engines
+price their steps with it)."""
+TOOLS = {"pdserve.planner", "pdserve.bench", "pdserve.sim", "pdserve.hosts"}
+"""What sizes, measures and tries a deployment; built on the runtime, never under it."""
 
 OUTSIDE_MARKERS = ("../" + "shared", "DESIGN" + ".md")
 """What a reference to the briefs outside the repository looks like (spelled in pieces, so a
@@ -123,6 +150,13 @@ def test_every_import_between_packages_is_an_allowed_edge():
         if target not in ALLOWED.get(source, set())
     }
     assert not unexpected, f"imports not in ALLOWED: {sorted(unexpected)}"
+
+
+def test_the_runtime_never_imports_a_tool():
+    assert set(ALLOWED) <= RUNTIME | TOOLS | {"pdserve.cli"}, "classify every package"
+    graph = package_graph()
+    upward = {(source, target) for source in RUNTIME for target in graph[source] & TOOLS}
+    assert not upward, f"the runtime imports tools: {sorted(upward)}"
 
 
 def test_the_package_graph_has_no_circles():

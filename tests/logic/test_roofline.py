@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from pdserve.planner.plan import Workload, build_plan, format_plan
 from pdserve.roofline import model as rf
-from pdserve.roofline.plan import Workload, build_plan, format_plan
 from pdserve.roofline.specs import (
     DEVICES,
     PRESETS,

@@ -10,8 +10,9 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.config import AutoscaleConfig, PlacementConfig
+from pdserve.planner.fit import Fit, save_calibration
 from pdserve.roofline.specs import PRESETS
-from pdserve.roofline.stepmodel import Fit, StepModel, save_calibration
+from pdserve.roofline.stepmodel import StepModel
 from pdserve.sim import loop
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
 from pdserve.sim.main import gpu_step_model, synthetic_requests

@@ -13,28 +13,26 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.cli import main
 from pdserve.engine.stats import STEP_RECORDS, StatsCollector
 from pdserve.engine.types import NodeStats
-from pdserve.roofline import model as rf
-from pdserve.roofline.plan import (
+from pdserve.planner.fit import Fit, fit, save_calibration
+from pdserve.planner.plan import (
     Workload,
     build_plan,
     calibrated_chunk,
     calibrated_prefill,
     decode_batch_at_rate,
 )
+from pdserve.roofline import model as rf
 from pdserve.roofline.specs import DEVICES, PRESETS
 from pdserve.roofline.stepmodel import (
     Calibration,
-    Fit,
     FitError,
     StepModel,
     StepRecord,
     calibration_path,
     device_key,
     find_step_model,
-    fit,
     load_calibration,
     model_key,
-    save_calibration,
     step_cost,
 )
 from router.metrics import RouterMetrics
