@@ -143,7 +143,6 @@ def simulated(calibration, records) -> dict:
         link_bytes_per_s=1e9,
         link_latency_s=0.001,
         request_overhead_s=float(engine.get("request_overhead_s") or 0.0),
-        token_overhead_s=float(engine.get("token_overhead_s") or 0.0),
         handover_latency_s=0.005,
     )
     result = simulate(topology, requests_from_records(records))
@@ -295,8 +294,8 @@ def report(results: dict) -> str:
         f"{step['flops'] / 1e9:.0f} GFLOP/s, memory at {step['mem_bandwidth'] / 1e9:.1f} GB/s, "
         f"attention {_attention(step['attention_s_per_flop'])}. "
         f"Fit error median {fit['median_error']:.1%}, p90 {fit['p90_error']:.1%}. The router "
-        f"adds {cal['engine'].get('request_overhead_s', 0) * 1e3:.0f} ms to a first token and "
-        f"{cal['engine'].get('token_overhead_s', 0) * 1e3:.1f} ms per token beyond the steps.",
+        f"adds {cal['engine'].get('request_overhead_s', 0) * 1e3:.0f} ms to a first token beyond "
+        "the steps.",
         "",
         *[
             f"- {role} engines alone ({entry['fit']['steps']} steps): "

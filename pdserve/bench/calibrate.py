@@ -96,29 +96,22 @@ async def drive(
     return alone
 
 
-def request_overheads(
-    prefill: StepModel,
-    decode: StepModel,
-    m: ModelSpec,
-    chunk: int,
-    alone: list[RequestRecord],
-    batch: int = BACKGROUND[0] + 1,
-) -> tuple[float, float]:
-    """What a request sees beyond the engine steps, from the prompts sent one at a time: the
-    median of TTFT − predicted prefill (router, hand-off, the first token's trip back) and of
-    TPOT − predicted decode step at `batch` (the background streams and this one: each token's
-    trip through the router)."""
+def request_overhead(
+    prefill: StepModel, m: ModelSpec, chunk: int, alone: list[RequestRecord]
+) -> float:
+    """What a first token sees beyond the engine steps, from the prompts sent one at a time: the
+    median of TTFT − predicted prefill (the router, the hand-off, the token's trip back). Later
+    tokens pay the router's trip too, but as latency, not cadence: the router relays one token
+    while the engine computes the next, so ITL and TPOT are the engine's step times (which the
+    step model is fitted on, contention from the router included)."""
     from pdserve.bench.stats import percentile
 
-    first, per_token = [], []
-    for record in alone:
-        if not record.ok or record.ttft is None:
-            continue
-        first.append(record.ttft - prefill.prefill_seconds(m, record.prompt_tokens, chunk))
-        if record.tpot is not None:
-            context = record.prompt_tokens + record.output_tokens // 2
-            per_token.append(record.tpot - decode.decode_step_seconds(m, batch, context))
-    return max(0.0, percentile(first, 50) or 0.0), max(0.0, percentile(per_token, 50) or 0.0)
+    first = [
+        record.ttft - prefill.prefill_seconds(m, record.prompt_tokens, chunk)
+        for record in alone
+        if record.ok and record.ttft is not None
+    ]
+    return max(0.0, percentile(first, 50) or 0.0)
 
 
 def fetch_steps(url: str, api_key: str | None = None) -> list[dict]:
@@ -177,14 +170,9 @@ def fit_nodes(
             "nodes": [f"{n['pool']}/{n['node']}" for n in members],
         }
         if alone:
-            first, per_token = request_overheads(
-                (roles.get("prefill") or result).model,
-                (roles.get("decode") or result).model,
-                spec,
-                chunk,
-                alone,
+            engine["request_overhead_s"] = request_overhead(
+                (roles.get("prefill") or result).model, spec, chunk, alone
             )
-            engine["request_overhead_s"], engine["token_overhead_s"] = first, per_token
         save_calibration(path, device, spec, result, engine, roles)
         results.append(Calibrated(device, model, engine["nodes"], result, path, roles))
     return results

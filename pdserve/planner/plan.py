@@ -136,12 +136,9 @@ def build_plan(
         decode_step = calibration.for_role("decode")
         engine_chunk = int(calibration.engine.get("max_num_batched_tokens") or 2048)
         first_s = float(calibration.engine.get("request_overhead_s") or 0.0)
-        token_s = float(calibration.engine.get("token_overhead_s") or 0.0)
         chunk = calibrated_chunk(step, m)
         ttft = first_s + calibrated_prefill(step, m, w.batch, w.prompt_len, engine_chunk)
-        tpot = token_s + decode_step.decode_step_seconds(
-            m, w.batch, w.prompt_len + w.output_len // 2
-        )
+        tpot = decode_step.decode_step_seconds(m, w.batch, w.prompt_len + w.output_len // 2)
         pools = rf.plan_pools(
             m,
             device,
@@ -150,7 +147,7 @@ def build_plan(
             w.rate,
             w.tpot_slo_s,
             prefill_s=lambda length: calibrated_prefill(step, m, 1, length, engine_chunk),
-            decode_s=lambda batch, ctx: token_s + decode_step.decode_step_seconds(m, batch, ctx),
+            decode_s=lambda batch, ctx: decode_step.decode_step_seconds(m, batch, ctx),
         )
         calibrated = {
             "path": str(calibration.path) if calibration.path else None,
@@ -160,11 +157,10 @@ def build_plan(
             "fit": calibration.fit,
             "engine_chunk_tokens": engine_chunk,
             "request_overhead_s": first_s,
-            "token_overhead_s": token_s,
         }
     mid = w.prompt_len + w.output_len // 2
     if calibration is not None:
-        at_rate = lambda b: token_s + decode_step.decode_step_seconds(m, b, mid)  # noqa: E731
+        at_rate = lambda b: decode_step.decode_step_seconds(m, b, mid)  # noqa: E731
     else:
         at_rate = lambda b: rf.decode_step_seconds(m, device, b, mid)  # noqa: E731
     # each of the plan's decode devices takes its share of the rate
@@ -312,8 +308,7 @@ def _calibration_lines(calibrated: dict | None) -> list[str]:
         ],
         f"  fit over {fit.get('steps')} steps: median error {fit.get('median_error', 0):.1%}, "
         f"p90 {fit.get('p90_error', 0):.1%}; router adds "
-        f"{calibrated['request_overhead_s'] * 1e3:.0f} ms to TTFT, "
-        f"{calibrated['token_overhead_s'] * 1e3:.1f} ms per token",
+        f"{calibrated['request_overhead_s'] * 1e3:.0f} ms to TTFT",
     ]
 
 

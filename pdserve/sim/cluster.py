@@ -20,8 +20,9 @@ What runs, and how closely it follows what is served:
   crosses the link in `kv_bytes / link_bandwidth + link_latency`, after the router's relay
   (`handover_latency_s`).
 - **What the client sees**: the first token arrives `request_overhead_s` after the step that
-  sampled it, and every decode step costs `token_overhead_s` more than the step model says (both
-  measured by `pdserve plan calibrate`: what the router adds on top of the engines' steps).
+  sampled it (measured by `pdserve plan calibrate`: what the router adds on top of the engines'
+  steps); later tokens at the engine's cadence (the router relays one while the next is
+  computed).
 Not simulated: prefix caching, preemption (the KV cache is assumed large enough), the engines'
 async output processing, network contention between hand-overs, failures.
 """
@@ -104,8 +105,6 @@ class Topology:
     link_latency_s: float = 0.0
     request_overhead_s: float = 0.0
     """Added to every first token (the router's path, measured)."""
-    token_overhead_s: float = 0.0
-    """Added to every decode step (what the router costs the engines per token, measured)."""
     handover_latency_s: float = 0.0
     """Router → decode node: the relay of a prefilled request, beyond the KV pull."""
     placement: PlacementConfig = PlacementConfig()
@@ -270,8 +269,6 @@ class SimNode(NodeClient):
         seconds = self.spec.step.seconds(
             self.topology.model, prompt, prompt_seqs, decode, decode_seqs, context
         )
-        if decode:
-            seconds += self.topology.token_overhead_s
         seconds += pulls
         totals = self.totals
         totals.busy_seconds_total += seconds

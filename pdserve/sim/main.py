@@ -189,17 +189,14 @@ def add_parser(commands) -> None:
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
-    overheads = (0.0, 0.0)
+    request_overhead_s = 0.0
     if args.calibration:
         calibration = load_calibration(args.calibration)
         model, role_step = calibration.model, calibration.for_role
         engine = calibration.engine
         seqs = args.max_num_seqs or int(engine.get("max_num_seqs") or 64)
         chunk = args.chunk or int(engine.get("max_num_batched_tokens") or 2048)
-        overheads = (
-            float(engine.get("request_overhead_s") or 0.0),
-            float(engine.get("token_overhead_s") or 0.0),
-        )
+        request_overhead_s = float(engine.get("request_overhead_s") or 0.0)
     elif args.gpu:
         model = load_model(args.model or "llama-3-8b")
         step = gpu_step_model(args.gpu, args.tp)
@@ -221,8 +218,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         **pools,
         link_bytes_per_s=(args.link_gbs or (50.0 if args.gpu else 1.0)) * 1e9,
         link_latency_s=args.link_latency_ms / 1e3,
-        request_overhead_s=overheads[0],
-        token_overhead_s=overheads[1],
+        request_overhead_s=request_overhead_s,
         handover_latency_s=args.handover_ms / 1e3,
         placement=PlacementConfig(mode=args.placement),
         autoscale=AutoscaleConfig(
