@@ -41,7 +41,7 @@ from pdserve.bench.client import run_load, served_model  # noqa: E402
 from pdserve.bench.compare import pdserve_server  # noqa: E402
 from pdserve.bench.report import write_json  # noqa: E402
 from pdserve.bench.stats import percentile, summarize  # noqa: E402
-from pdserve.bench.sweep import placement_snapshot  # noqa: E402
+from pdserve.bench.sweep import placement_figures  # noqa: E402
 from pdserve.bench.workload import Workload, build_requests  # noqa: E402
 from pdserve.planner.fit import calibration_device  # noqa: E402
 from pdserve.planner.plan import Workload as PlanWorkload  # noqa: E402
@@ -211,15 +211,15 @@ def main() -> int:
                 asyncio.run(run_load(url, warm, model, None, None, None, 300))
                 held_out_errors(calibration, calibrate.fetch_steps(url), seen)
                 requests = build_requests(workload, count, "poisson", rate, seed=0)
-                before = placement_snapshot(httpx.get(f"{url}/metrics", timeout=30).text)
+                before = httpx.get(f"{url}/metrics", timeout=30).text
                 records, duration = asyncio.run(
                     run_load(url, requests, model, None, None, None, 300)
                 )
-                after = placement_snapshot(httpx.get(f"{url}/metrics", timeout=30).text)
+                after = httpx.get(f"{url}/metrics", timeout=30).text
                 placed = {
-                    key: int(value - before["placements"].get(key, 0))
-                    for key, value in after["placements"].items()
-                    if value - before["placements"].get(key, 0)
+                    key: int(count)
+                    for key, count in placement_figures(after, before)["placements"].items()
+                    if count
                 }
                 steps = held_out_errors(calibration, calibrate.fetch_steps(url), seen)
                 live = _metric(

@@ -284,10 +284,10 @@ class SimNode(NodeClient):
             if seq.done:
                 continue  # dropped during the step
             seq.context += take
-            seq.to_compute -= take
-            if seq.to_compute > 0:
-                continue  # the prompt's next chunk comes in a later step
-            seq.to_compute = 0
+            if seq.to_compute:
+                seq.to_compute -= take
+                if seq.to_compute:
+                    continue  # the prompt's next chunk comes in a later step
             seq.to_generate -= 1
             last = seq.to_generate <= 0
             seq.deltas.put(
