@@ -29,6 +29,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -50,6 +51,7 @@ from pdserve.roofline import model as rf  # noqa: E402
 from pdserve.roofline.specs import DeviceSpec  # noqa: E402
 from pdserve.roofline.stepmodel import (  # noqa: E402
     CALIBRATION_ENV,
+    StepModel,
     StepRecord,
     load_calibration,
     step_cost,
@@ -79,8 +81,14 @@ def _metric(text: str, name: str) -> dict[str, float]:
 
 
 def held_out_errors(calibration, nodes: list[dict], seen: dict[str, int]) -> dict:
-    """The calibrated model's relative error on steps recorded after `seen` (per node)."""
+    """The calibrated model's relative error on steps recorded after `seen` (per node), and the
+    engines' mean time between steps (`StepRecord.gap_seconds`), mean step time and median
+    measured ÷ predicted step time (`speed`: how much slower than calibrated the engine ran),
+    per role."""
     errors = []
+    gaps: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
     for node in nodes:
         start = seen.get(node["node"], 0)
         kept_from = node["steps_seen"] - len(node["records"])
@@ -96,13 +104,21 @@ def held_out_errors(calibration, nodes: list[dict], seen: dict[str, int]) -> dic
                 r.decode_sequences,
                 r.context_tokens,
             )
-            step = calibration.for_role(node.get("role"))
-            errors.append(abs(step.cost_seconds(cost) - r.seconds) / r.seconds)
+            role = node.get("role") or "?"
+            predicted = calibration.for_role(role).cost_seconds(cost)
+            errors.append(abs(predicted - r.seconds) / r.seconds)
+            ratios.setdefault(role, []).append(r.seconds / predicted)
+            times.setdefault(role, []).append(r.seconds)
+            if r.gap_seconds is not None:
+                gaps.setdefault(role, []).append(r.gap_seconds)
         seen[node["node"]] = node["steps_seen"]
     return {
         "steps": len(errors),
         "median": percentile(errors, 50),
         "p90": percentile(errors, 90),
+        "mean_step_s": {role: sum(v) / len(v) for role, v in times.items()},
+        "mean_gap_s": {role: sum(v) / len(v) for role, v in gaps.items()},
+        "speed": {role: percentile(v, 50) for role, v in ratios.items()},
     }
 
 
@@ -132,14 +148,33 @@ def predictions(calibration, peaks: tuple[float, float], workload: Workload, rat
     }
 
 
-def simulated(calibration, records) -> dict:
+def slower(step: StepModel, ratio: float) -> StepModel:
+    """`step` with every step taking `ratio` times as long (the gap between steps as it was)."""
+    return replace(
+        step,
+        overhead_s=step.overhead_s * ratio,
+        per_sequence_s=step.per_sequence_s * ratio,
+        flops=step.flops / ratio,
+        mem_bandwidth=step.mem_bandwidth / ratio,
+        attention_s_per_flop=step.attention_s_per_flop * ratio,
+    )
+
+
+def simulated(calibration, records, speed: dict[str, float] | None = None) -> dict:
+    """The requests replayed by the simulator with the calibration's step models, or (`speed`)
+    with them slowed to the served steps' own measured ÷ predicted ratio per role."""
     engine = calibration.engine
     seqs = int(engine.get("max_num_seqs") or 64)
     chunk = int(engine.get("max_num_batched_tokens") or 2048)
+    speed = speed or {}
+    steps = {
+        role: slower(calibration.for_role(role), speed.get(role, 1.0))
+        for role in ("prefill", "decode")
+    }
     topology = Topology(
         calibration.model,
-        prefill=[NodeSpec(calibration.for_role("prefill"), seqs, chunk)],
-        decode=[NodeSpec(calibration.for_role("decode"), seqs, chunk)],
+        prefill=[NodeSpec(steps["prefill"], seqs, chunk)],
+        decode=[NodeSpec(steps["decode"], seqs, chunk)],
         link_bytes_per_s=1e9,
         link_latency_s=0.001,
         request_overhead_s=float(engine.get("request_overhead_s") or 0.0),
@@ -228,6 +263,8 @@ def main() -> int:
                 measured = summarize(records, duration, 1.0, 0.08)
                 sim = simulated(calibration, records)
                 sim_summary = summarize(sim["records"], duration, 1.0, 0.08)
+                at_speed = simulated(calibration, records, steps["speed"])
+                at_speed_summary = summarize(at_speed["records"], duration, 1.0, 0.08)
                 predicted = predictions(calibration, (peak_flops, peak_bw), workload, rate)
                 all_records[f"{name}/measured"] = records
                 all_records[f"{name}/simulated"] = sim["records"]
@@ -241,6 +278,7 @@ def main() -> int:
                     },
                     "measured": figures(measured),
                     "simulated": figures(sim_summary),
+                    "simulated_at_served_speed": figures(at_speed_summary),
                     "measured_placements": placed,
                     "simulated_placements": sim["placements"],
                     "planner": predicted,
@@ -261,6 +299,12 @@ def _cell(predicted: float | None, measured: float | None) -> str:
     error = predicted / measured - 1
     mark = "" if abs(error) <= TARGET else " ✗"
     return f"{predicted * 1e3:.0f} ({error:+.0%}){mark}"
+
+
+def _replayed(measured: dict, simulated: dict) -> str:
+    """A replay's cells: each figure measured → simulated (error)."""
+    keys = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s", "tpot_p50_s")
+    return " | ".join(f"{measured[k] * 1e3:.0f} → {_cell(simulated[k], measured[k])}" for k in keys)
 
 
 def _placements(counts: dict | None) -> str:
@@ -293,7 +337,8 @@ def report(results: dict) -> str:
         f"{step['per_sequence_s'] * 1e3:.3f} ms/sequence, linear layers at "
         f"{step['flops'] / 1e9:.0f} GFLOP/s, memory at {step['mem_bandwidth'] / 1e9:.1f} GB/s, "
         f"attention {_attention(step['attention_s_per_flop'])}. "
-        f"Fit error median {fit['median_error']:.1%}, p90 {fit['p90_error']:.1%}. The router "
+        f"Fit error median {fit['median_error']:.1%}, p90 {fit['p90_error']:.1%}; "
+        f"{step.get('gap_s', 0) * 1e3:.1f} ms between steps. The router "
         f"adds {cal['engine'].get('request_overhead_s', 0) * 1e3:.0f} ms to a first token beyond "
         "the steps.",
         "",
@@ -336,12 +381,24 @@ def report(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, w in results["workloads"].items():
-        m, s = w["measured"], w["simulated"]
-        cells = [
-            f"{m[key] * 1e3:.0f} → {_cell(s[key], m[key])}"
-            for key in ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s", "tpot_p50_s")
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {_replayed(w['measured'], w['simulated'])} |")
+    lines += [
+        "",
+        "The same requests replayed with each role's step model slowed (or sped) to the speed its",
+        "engine ran the workload at: the served steps' median measured ÷ predicted time (last",
+        "table). What is left is the simulator's own error — batching, queueing, routing — apart",
+        "from how far the machine's speed moved between calibration and the run.",
+        "",
+        "| workload | speed (prefill, decode) | TTFT p50 | TTFT p90 | ITL p50 | ITL p90 | "
+        "TPOT p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, w in results["workloads"].items():
+        speed = w["held_out_steps"]["speed"]
+        pace = f"{speed.get('prefill', 1):.2f}, {speed.get('decode', 1):.2f}"
+        lines.append(
+            f"| {name} | {pace} | {_replayed(w['measured'], w['simulated_at_served_speed'])} |"
+        )
     lines += [
         "",
         "## Where prompts were computed, measured → simulated (where/reason: requests)",
@@ -363,15 +420,22 @@ def report(results: dict) -> str:
         "",
         "## The step model on steps it was not fitted on",
         "",
-        "| workload | steps | median error | p90 error | live measured ÷ predicted |",
-        "|---|---|---|---|---|",
+        "| workload | steps | median error | p90 error | median measured ÷ predicted | "
+        "live measured ÷ predicted | decode step, gap (mean ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, w in results["workloads"].items():
         h = w["held_out_steps"]
         live = ", ".join(
             f"{k.rsplit('-', 2)[-2]} {v:.2f}" for k, v in w["live_step_time_ratio"].items()
         )
-        lines.append(f"| {name} | {h['steps']} | {h['median']:.1%} | {h['p90']:.1%} | {live} |")
+        speed = ", ".join(f"{role} {ratio:.2f}" for role, ratio in h["speed"].items())
+        step = h["mean_step_s"].get("decode", 0) * 1e3
+        gap = h["mean_gap_s"].get("decode", 0) * 1e3
+        lines.append(
+            f"| {name} | {h['steps']} | {h['median']:.1%} | {h['p90']:.1%} | {speed} | {live} | "
+            f"{step:.1f}, {gap:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

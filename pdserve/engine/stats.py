@@ -11,6 +11,7 @@ Utilization is estimated per step with the roofline model (`pdserve.roofline.liv
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -41,6 +42,9 @@ class StatsCollector:
         """Steps recorded since start (`steps` holds the last `STEP_RECORDS` of them)."""
         self.kv_failures: OrderedDict[str, tuple[str, str]] = OrderedDict()
         """vLLM request id -> (reason, message) of recent failed pulls."""
+        self.clock = time.monotonic
+        self._busy_end: float | None = None
+        """When the last step was reported, if it left requests running (the next one follows)."""
 
     def set_peaks(self, peaks: Peaks) -> None:
         self.stats.peak_flops = peaks.flops
@@ -69,7 +73,7 @@ class StatsCollector:
                 self.kv_failures[request_id] = (reason, message)
             while len(self.kv_failures) > RECENT_FAILURES:
                 self.kv_failures.popitem(last=False)
-            self._step(scheduler_stats.iteration_details)
+            self._step(scheduler_stats.iteration_details, scheduler_stats.num_running_reqs)
         if iteration_stats is not None:
             prompt = iteration_stats.prompt_token_stats
             stats.prompt_tokens_total += prompt.total
@@ -80,13 +84,18 @@ class StatsCollector:
             for finished in iteration_stats.finished_requests:
                 stats.observe_queue_time(finished.queued_time)
 
-    def _step(self, details: Any) -> None:
+    def _step(self, details: Any, running_after: int) -> None:
         if details is None or details.is_dummy:
             return
         prompt, decode = details.num_ctx_tokens, details.num_generation_tokens
         if prompt + decode == 0:
             return
         seconds = details.elapsed_ms / 1e3
+        # Steps are reported here as their outputs arrive, so the time between two reports is
+        # one step's period on average; less the step itself, what the engine spent between them.
+        now = self.clock()
+        gap = None if self._busy_end is None else now - self._busy_end - seconds
+        self._busy_end = now if running_after > 0 else None
         self.stats.busy_seconds_total += seconds
         self.stats.busy_steps_total += 1
         self.stats.prompt_busy_seconds_total += seconds * prompt / (prompt + decode)
@@ -97,6 +106,7 @@ class StatsCollector:
             details.num_generation_requests,
             max(0, self.stats.decode_context_tokens),
             seconds,
+            gap,
         )
         self.steps.append(record)
         self.steps_seen += 1

@@ -23,6 +23,7 @@ STEP_FIELDS = (
     "decode_sequences",
     "context_tokens",
     "seconds",
+    "gap_seconds",
 )
 """The columns of a per-step record (`EngineActor.step_records`, GET /pdserve/v1/steps)."""
 

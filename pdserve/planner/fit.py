@@ -3,7 +3,8 @@ storing the result: `pdserve plan calibrate`'s work, the planner's side of calib
 
 `fit` finds the coefficients from per-step records (tokens, sequences, context, seconds): for a
 grid of compute/bandwidth ratios it solves a non-negative least-squares problem in relative error
-(a 30 ms decode step counts as much as a 3 s prefill step), and keeps the best.
+(a 30 ms decode step counts as much as a 3 s prefill step), and keeps the best. The gap between
+steps is the records' mean gap (a cadence is a sum of periods, so the mean is what it pays).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def fit(m: ModelSpec, records: Iterable[StepRecord], source: str = "calibrated")
         raise FitError("no fit with a positive roofline term (are all steps identical?)")
     _, ratio, (overhead, per_sequence, inverse_bw, inverse_attention) = best
     bandwidth = 1.0 / inverse_bw
+    gaps = [r.gap_seconds for r in rows if r.gap_seconds is not None]
     model = StepModel(
         float(overhead),
         float(per_sequence),
@@ -88,6 +90,7 @@ def fit(m: ModelSpec, records: Iterable[StepRecord], source: str = "calibrated")
         bandwidth,
         float(inverse_attention),
         source,
+        max(0.0, sum(gaps) / len(gaps)) if gaps else 0.0,
     )
     errors = sorted(
         abs(model.cost_seconds(c) - r.seconds) / r.seconds for c, r in zip(costs, rows, strict=True)

@@ -78,9 +78,9 @@ def calibrated_prefill(step: StepModel, m: ModelSpec, batch: int, prompt: int, c
         return batch * step.prefill_seconds(m, prompt, chunk)
     per_step = max(1, chunk // prompt)
     full, rest = divmod(batch, per_step)
-    seconds = full * step.cost_seconds(step_cost(m, per_step * prompt, per_step, 0, 0, 0))
+    seconds = full * step.period_seconds(step_cost(m, per_step * prompt, per_step, 0, 0, 0))
     if rest:
-        seconds += step.cost_seconds(step_cost(m, rest * prompt, rest, 0, 0, 0))
+        seconds += step.period_seconds(step_cost(m, rest * prompt, rest, 0, 0, 0))
     return seconds
 
 

@@ -52,6 +52,10 @@ class StepRecord:
     context_tokens: int
     """KV tokens held by the decoding sequences (each decode token attends to its own)."""
     seconds: float
+    gap_seconds: float | None = None
+    """Time between the previous step's end and this one's start, where the previous step left
+    requests running (None where the engine may have idled): what the step's own time leaves out
+    — the previous step's outputs handed on, this one scheduled — and a request's cadence pays."""
 
     @property
     def sequences(self) -> int:
@@ -65,12 +69,15 @@ class StepRecord:
             self.decode_sequences,
             self.context_tokens,
             self.seconds,
+            self.gap_seconds,
         ]
 
     @classmethod
     def from_list(cls, row: Sequence) -> StepRecord:
-        p, ps, d, ds, ctx, s = row
-        return cls(int(p), int(ps), int(d), int(ds), int(ctx), float(s))
+        """A record as `as_list` wrote it (rows of six, from before gaps were kept, have none)."""
+        p, ps, d, ds, ctx, s, *rest = row
+        gap = float(rest[0]) if rest and rest[0] is not None else None
+        return cls(int(p), int(ps), int(d), int(ds), int(ctx), float(s), gap)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,10 @@ class StepModel:
     """Seconds per attention FLOP (1 / achieved attention FLOP/s; 0: no attention term)."""
     source: str = "roofline"
     """"roofline" (datasheet or measured peaks, no overhead) or "calibrated:<where>"."""
+    gap_s: float = 0.0
+    """Time between one step's end and the next one's start while requests run (the step's
+    outputs handed on, the next one scheduled): what a request's cadence pays beyond the steps.
+    Calibration measures it; the roofline has none."""
 
     @classmethod
     def roofline(cls, peak_flops: float, peak_bandwidth: float) -> StepModel:
@@ -137,6 +148,10 @@ class StepModel:
             + max(cost.linear_flops / self.flops, cost.bytes / self.mem_bandwidth)
             + cost.attention_flops * self.attention_s_per_flop
         )
+
+    def period_seconds(self, cost: StepCost) -> float:
+        """A step's time and the gap before the next one: its share of a request's cadence."""
+        return self.cost_seconds(cost) + self.gap_s if cost.sequences else 0.0
 
     def seconds(
         self,
@@ -154,7 +169,7 @@ class StepModel:
 
     def prefill_seconds(self, m: ModelSpec, prompt: int, chunk: int) -> float:
         """One prompt alone on an engine that computes `chunk` tokens per step: the sum of its
-        chunks, each attending to the chunks before it."""
+        chunks' periods, each chunk attending to the chunks before it."""
         total, done = 0.0, 0
         while done < prompt:
             size = min(chunk, prompt - done)
@@ -165,13 +180,15 @@ class StepModel:
             cost = StepCost(
                 cost.linear_flops, cost.attention_flops + earlier, cost.bytes + kv, cost.sequences
             )
-            total += self.cost_seconds(cost)
+            total += self.period_seconds(cost)
             done += size
         return total
 
     def decode_step_seconds(self, m: ModelSpec, batch: int, context: int) -> float:
-        """One decode step of `batch` sequences holding `context` tokens each."""
-        return self.seconds(m, 0, 0, batch, batch, batch * context)
+        """One decode step's period (`period_seconds`) for `batch` sequences holding `context`
+        tokens each: the time between a sequence's tokens."""
+        cost = step_cost(m, 0, 0, batch, batch, batch * context)
+        return self.period_seconds(cost)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -185,6 +202,7 @@ class StepModel:
             float(data["mem_bandwidth"]),
             float(data["attention_s_per_flop"]),
             str(data.get("source", "calibrated")),
+            float(data.get("gap_s", 0.0)),  # calibrations from before gaps were measured: none
         )
 
 

@@ -12,7 +12,8 @@ What runs, and how closely it follows what is served:
   step first gives every running request its next tokens (one per decoding sequence, the next
   chunk of a prompt being computed), then admits waiting requests in arrival order while there
   are batch slots (`max_num_seqs`) and token budget (`max_num_batched_tokens`). A step costs what
-  the node's `StepModel` says for its token mix; a step that admits handed-over requests also
+  the node's `StepModel` says for its token mix, then the gap before the next one (`gap_s`:
+  outputs handed on, the next step scheduled); a step that admits handed-over requests also
   pays their KV pull (sync load: the pull holds the step). At the step's end each sequence that
   finished its prompt or decoded samples a token. A leg the router leaves is dropped.
 - **The seam**: the prefill node samples the first token (sent to the client), the decode node
@@ -21,8 +22,8 @@ What runs, and how closely it follows what is served:
   (`handover_latency_s`).
 - **What the client sees**: the first token arrives `request_overhead_s` after the step that
   sampled it (measured by `pdserve plan calibrate`: what the router adds on top of the engines'
-  steps); later tokens at the engine's cadence (the router relays one while the next is
-  computed).
+  steps); later tokens at the engine's cadence, step and gap (the router relays one while the
+  next is computed).
 Not simulated: prefix caching, preemption (the KV cache is assumed large enough), the engines'
 async output processing, network contention between hand-overs, failures.
 """
@@ -40,7 +41,7 @@ from pdserve.config import AutoscaleConfig, PlacementConfig, RouterConfig
 from pdserve.engine.types import NodeStats, TokenDelta
 from pdserve.roofline.model import kv_bytes_per_token
 from pdserve.roofline.specs import ModelSpec
-from pdserve.roofline.stepmodel import StepModel
+from pdserve.roofline.stepmodel import StepModel, step_cost
 from pdserve.sim import loop
 from router import clock
 from router.autoscale import Decision, PoolScaler
@@ -266,13 +267,12 @@ class SimNode(NodeClient):
                 decode += take
                 decode_seqs += 1
                 context += seq.context
-        seconds = self.spec.step.seconds(
-            self.topology.model, prompt, prompt_seqs, decode, decode_seqs, context
-        )
-        seconds += pulls
+        cost = step_cost(self.topology.model, prompt, prompt_seqs, decode, decode_seqs, context)
+        busy = self.spec.step.cost_seconds(cost) + pulls  # what vLLM reports as the step's time
+        seconds = busy + self.spec.step.gap_s
         totals = self.totals
-        totals.busy_seconds_total += seconds
-        totals.prompt_busy_seconds_total += seconds * prompt / (prompt + decode)
+        totals.busy_seconds_total += busy
+        totals.prompt_busy_seconds_total += busy * prompt / (prompt + decode)
         totals.prompt_tokens_computed_total += prompt
         totals.engine_steps_total += 1
         self.busy = True

@@ -448,9 +448,12 @@ def test_calibrate_fits_the_engines_own_steps(server, tmp_path):
         assert node["model"].endswith("-bfloat16") and node["model_spec"]["num_layers"] == 30
         assert node["step_model"] == "roofline"  # no calibration in this test's cache
         assert MIN_STEP_RECORDS <= len(node["records"]) <= node["steps_seen"]
-        assert all(len(row) == len(node["fields"]) and row[-1] > 0 for row in node["records"])
+        assert node["fields"][-2:] == ["seconds", "gap_seconds"]
+        assert all(len(row) == len(node["fields"]) and row[-2] > 0 for row in node["records"])
     prompts = [row for row in roles["prefill"]["records"] if row[0] > 0]
     assert prompts and all(row[2] == 0 for row in prompts)  # a prefill node decodes nothing
+    # a decode leg's later steps follow a step that left it running: their gap is measured
+    assert any(row[-1] is not None for row in roles["decode"]["records"])
     out = tmp_path / "calibration"
     command = [sys.executable, "-m", "pdserve.cli", "plan", "calibrate", "--url", server.url]
     done = subprocess.run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -52,6 +53,14 @@ def test_one_request_on_one_engine():
     assert record.token_times_s == pytest.approx([1.016, 1.022, 1.033, 1.044])
     assert record.ttft == pytest.approx(0.016) and record.output_tokens == 4
     assert record.end_s == pytest.approx(1.044)
+
+
+def test_the_gap_between_steps_spaces_every_token():
+    spaced = replace(FLAT, gap_s=0.004)  # outputs handed on and the next step scheduled
+    topology = Topology(SMOL, colocated=[_node(spaced)], request_overhead_s=0.005)
+    record = simulate(topology, [SimRequest(0, 1.0, 100, 3)]).records[0]
+    # each step 11 ms and 4 between: the first token 5 ms on, the later ones as they are made
+    assert record.token_times_s == pytest.approx([1.020, 1.030, 1.045])
 
 
 def test_a_long_prompt_runs_chunk_by_chunk():

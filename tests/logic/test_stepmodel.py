@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 from prometheus_client import generate_latest
@@ -75,6 +76,23 @@ def test_fit_recovers_the_model_the_steps_came_from():
     ]
     for shape in probe:
         assert result.model.seconds(SMOL, *shape) == pytest.approx(TRUE.seconds(SMOL, *shape), 0.03)
+
+
+def test_the_gap_between_steps_is_the_records_mean_and_a_cadence_pays_it():
+    records = _records(TRUE)
+    for i, record in enumerate(records):  # 1 ms or 3 ms between steps; some after an idle
+        records[i] = replace(record, gap_seconds=(0.001, 0.003, None)[i % 3])
+    model = fit(SMOL, records).model
+    gaps = [r.gap_seconds for r in records if r.gap_seconds and r.prompt_tokens + r.decode_tokens]
+    assert model.gap_s == pytest.approx(sum(gaps) / len(gaps)) and 0.0018 < model.gap_s < 0.0022
+    assert fit(SMOL, _records(TRUE)).model.gap_s == 0.0  # no gaps recorded: none assumed
+    cost = step_cost(SMOL, 0, 0, 8, 8, 8 * 500)
+    assert model.period_seconds(cost) == pytest.approx(model.cost_seconds(cost) + model.gap_s)
+    assert model.decode_step_seconds(SMOL, 8, 500) == pytest.approx(model.period_seconds(cost))
+    assert model.period_seconds(step_cost(SMOL, 0, 0, 0, 0, 0)) == 0.0
+    assert StepModel.from_dict(model.to_dict()) == replace(model, source="calibrated")
+    older = {k: v for k, v in model.to_dict().items() if k != "gap_s"}
+    assert StepModel.from_dict(older).gap_s == 0.0  # a calibration from before gaps
 
 
 def test_fit_with_noise_stays_within_the_noise():
@@ -196,6 +214,8 @@ def test_collector_keeps_step_records_and_prices_them():
     collector.model = SMOL
     collector.set_step_model(TRUE)
     stats.decode_context_tokens = 300
+    reported = iter([10.0, 10.050, 10.080, 20.0, 20.031])
+    collector.clock = lambda: next(reported)
     collector.record(_scheduler(_details(96, 1, 32, 32, 200.0)), None)
     collector.record(_scheduler(_details(0, 0, 4, 4, 40.0)), None)
     assert stats.busy_steps_total == 2 and stats.step_model_source == "truth"
@@ -203,13 +223,26 @@ def test_collector_keeps_step_records_and_prices_them():
         TRUE.seconds(SMOL, 96, 1, 32, 32, 300) + TRUE.seconds(SMOL, 0, 0, 4, 4, 300)
     )
     seen, rows = collector.records_since(0)
-    assert seen == 2 and rows[0] == [96, 1, 32, 32, 300, 0.2]
-    assert collector.records_since(1) == (2, [[0, 0, 4, 4, 300, 0.04]])
+    assert seen == 2 and rows[0] == [96, 1, 32, 32, 300, 0.2, None]  # no step before it
+    assert collector.records_since(1)[0] == 2
+    (second,) = collector.records_since(1)[1]
+    assert second[:6] == [0, 0, 4, 4, 300, 0.04]
+    assert second[6] == pytest.approx(0.010)  # reported 50 ms later, 40 of them computing
+    # a step that leaves nothing running: the next one's start is not known (the engine idled)
+    collector.record(_scheduler(_details(0, 0, 1, 1, 30.0), running=0), None)
+    collector.record(_scheduler(_details(0, 0, 1, 1, 30.0)), None)
+    collector.record(_scheduler(_details(0, 0, 1, 1, 30.0)), None)
+    gaps = [row[6] for row in collector.records_since(2)[1]]
+    assert gaps[0] == pytest.approx(0.0) and gaps[1] is None and gaps[2] == pytest.approx(0.001)
+    assert StepRecord.from_list([0, 0, 1, 1, 30, 0.03]).gap_seconds is None  # older rows
+    assert StepRecord.from_list(rows[0]) == StepRecord(96, 1, 32, 32, 300, 0.2)
+    collector.clock = lambda: 0.0
     for _ in range(STEP_RECORDS + 10):  # the ring keeps the newest
         collector.record(_scheduler(_details(0, 0, 1, 1, 30.0)), None)
     seen, rows = collector.records_since(0)
-    assert seen == STEP_RECORDS + 12 and len(rows) == STEP_RECORDS
-    assert collector.records_since(seen - 3)[1] == [[0, 0, 1, 1, 300, 0.03]] * 3
+    assert seen == STEP_RECORDS + 15 and len(rows) == STEP_RECORDS
+    newest = collector.records_since(seen - 3)[1]
+    assert [row[:6] for row in newest] == [[0, 0, 1, 1, 300, 0.03]] * 3
 
 
 def _history(t, busy, predicted, steps, prompt_busy=0.0):

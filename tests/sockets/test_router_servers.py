@@ -319,7 +319,7 @@ async def test_metrics_and_detailed_health_need_the_key(router, http):
     assert "/v1/completions" in (await http.get("/openapi.json")).json()["paths"]
     steps = (await http.get("/pdserve/v1/steps")).json()["nodes"]
     assert {n["pool"] for n in steps} == {"prefill", "decode"}  # fake nodes keep no steps
-    assert all(n["records"] == [] and n["fields"][-1] == "seconds" for n in steps)
+    assert all(n["records"] == [] and n["fields"][-2:] == ["seconds", "gap_seconds"] for n in steps)
 
 
 async def test_nodes_are_asked_at_once_and_a_silent_one_is_named_not_waited_on(
