@@ -3,7 +3,8 @@
 A policy sees the pool's healthy nodes with the router's own live counts (requests and prompt
 tokens it has in flight there) and each node's last reported engine stats, and returns one node.
 How a node's load is measured depends on what the pool does, named explicitly by its role:
-`prefill` (queued prompt tokens), `decode` (sequences and KV pressure), `colocated` (both).
+`prefill` (queued prompt tokens), `decode` (sequences in flight and KV pressure), `colocated`
+(both).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ def prefill_load(node: Node) -> float:
 
 
 def decode_load(node: Node) -> float:
-    """Sequences a decode node is running, with KV cache pressure as the tie-breaker."""
-    return node.outstanding + node.stats.running + node.stats.kv_cache_usage
+    """Sequences the router has on a decode node, with KV cache pressure as the tie-breaker. The
+    router's own count is exact and current; the engine's reported `running` is the same
+    sequences as of its last health check (up to a second old: adding it counted each sequence
+    twice, and ones that had ended)."""
+    return node.outstanding + node.stats.kv_cache_usage
 
 
 def colocated_load(node: Node) -> float:

@@ -37,16 +37,25 @@ def test_least_outstanding_prefill_counts_queued_prompt_tokens():
 
 def test_least_outstanding_decode_counts_sequences_and_kv_pressure():
     pool = nodes((2, 0), (2, 0), (5, 0))
-    pool[0].stats = NodeStats(running=4, kv_cache_usage=0.5)
-    pool[1].stats = NodeStats(running=4, kv_cache_usage=0.2)
-    pool[2].stats = NodeStats(running=4, kv_cache_usage=0.0)
+    pool[0].stats = NodeStats(running=2, kv_cache_usage=0.5)
+    pool[1].stats = NodeStats(running=2, kv_cache_usage=0.2)
+    pool[2].stats = NodeStats(running=5, kv_cache_usage=0.0)
     assert LeastOutstanding(decode_load).choose(pool).name == "n1"
+
+
+def test_decode_load_counts_each_sequence_once_and_not_the_ended():
+    # n0's engine last reported the 3 sequences the router has there; n1's last report came
+    # before its 4 started; n2's still shows 5 that have since ended
+    pool = nodes((3, 0), (4, 0), (1, 0))
+    pool[0].stats = NodeStats(running=3)
+    pool[2].stats = NodeStats(running=5)
+    assert [decode_load(node) for node in pool] == [3, 4, 1]
+    assert LeastOutstanding(decode_load).choose(pool).name == "n2"
 
 
 def test_each_pool_role_measures_load_its_own_way():
     """A colocated pool counts both queued prompts and running sequences."""
-    busy_prompts, busy_sequences = nodes((1, 4000), (1, 0))
-    busy_sequences.stats = NodeStats(running=6)
+    busy_prompts, busy_sequences = nodes((1, 4000), (6, 0))
     assert make_policy("least_outstanding", "prefill").choose([busy_prompts, busy_sequences]) is (
         busy_sequences
     )
