@@ -7,24 +7,17 @@ metrics) depends on it alone, so it can be tested with fake nodes.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pdserve.kv.stats import KVTotals
+from pdserve.roofline.stepmodel import StepRecord
 
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Upper bounds (seconds) of the queue-time histogram each engine keeps."""
 
 
-STEP_FIELDS = (
-    "prompt_tokens",
-    "prompt_sequences",
-    "decode_tokens",
-    "decode_sequences",
-    "context_tokens",
-    "seconds",
-    "gap_seconds",
-)
+STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
 """The columns of a per-step record (`EngineActor.step_records`, GET /pdserve/v1/steps)."""
 
 

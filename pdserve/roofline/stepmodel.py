@@ -32,7 +32,7 @@ import os
 import platform
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 from pdserve.roofline.model import kv_bytes_per_token, linear_ops, lm_head, weight_bytes
@@ -62,15 +62,8 @@ class StepRecord:
         return self.prompt_sequences + self.decode_sequences
 
     def as_list(self) -> list:
-        return [
-            self.prompt_tokens,
-            self.prompt_sequences,
-            self.decode_tokens,
-            self.decode_sequences,
-            self.context_tokens,
-            self.seconds,
-            self.gap_seconds,
-        ]
+        """The record as a row, its fields in order (the columns of GET /pdserve/v1/steps)."""
+        return list(astuple(self))
 
     @classmethod
     def from_list(cls, row: Sequence) -> StepRecord:
