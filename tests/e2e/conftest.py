@@ -237,3 +237,16 @@ def metric(server: Server, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+NODE_STATS_DEADLINE_S = 10.0
+"""How long a node counter may take to reach /metrics: the router polls node stats each second."""
+
+
+def metric_reaching(server: Server, name: str, floor: float, **labels: str) -> float:
+    """The sample once it is at least `floor`, or as it stands after `NODE_STATS_DEADLINE_S`
+    (a node's counters reach the router with its next stats poll, not with the response)."""
+    deadline = time.monotonic() + NODE_STATS_DEADLINE_S
+    while (value := metric(server, name, **labels)) < floor and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
