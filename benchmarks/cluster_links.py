@@ -53,6 +53,17 @@ def handover_gap(cluster, length: int, rng: random.Random) -> float:
     return after[0] - before[0]
 
 
+def total(cluster, name: str, **labels: str) -> float:
+    """A counter summed over every node of the router's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{cluster.server.url}/metrics", headers=cluster.server.headers).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v
+                                              for k, v in labels.items()))  # fmt: skip
+
+
 def gaps(cluster, lengths: list[int], per_length: int, seed: int) -> dict[int, float]:
     """Median gaps per prompt length; `seed` makes prompts no earlier run sent (a decode node
     that has a prompt's blocks in its prefix cache pulls only the rest)."""
@@ -97,23 +108,33 @@ def main() -> None:
     parser.add_argument("--per-length", type=int, default=3)
     parser.add_argument("--cuts", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--prefetch-mib", type=int, help="kv_transfer.prefetch_mib (0: KV crosses after prefill)"
+    )
     parser.add_argument("--out", default=str(REPO / "results/cluster_links.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pdserve-cluster-links-") as work:
-        cluster = bring_up(Path(work), dtype=args.dtype)
+        kv = {} if args.prefetch_mib is None else {"prefetch_mib": args.prefetch_mib}
+        cluster = bring_up(Path(work), dtype=args.dtype, kv=kv)
         try:
             gaps(cluster, [64], 2, seed=0)  # warm-up
             unshaped = gaps(cluster, args.lengths, args.per_length, seed=1)
             cluster.hosts.shape("prefill", args.rate)
             shaped = gaps(cluster, args.lengths, args.per_length, seed=2)
             cluster.hosts.shape("prefill", None)
-            found = {"rate": args.rate, "dtype": args.dtype, "gap_unshaped_s": unshaped}
-            found |= {"gap_shaped_s": shaped}
+            found = {"rate": args.rate, "dtype": args.dtype, "prefetch_mib": args.prefetch_mib}
+            found |= {"gap_unshaped_s": unshaped, "gap_shaped_s": shaped}
+            found["prefetches"] = {outcome: total(cluster, "pdserve_kv_prefetches_total",
+                                                  outcome=outcome)
+                                   for outcome in ("used", "missed")}  # fmt: skip
             Path(args.out).write_text(json.dumps(found, indent=2))  # kept if the cuts fail
             print_gaps(args, unshaped, shaped)
+            print(f"prefetches: {found['prefetches']}")
             cuts = [cut_once(cluster, f"decode{i % 2}") for i in range(args.cuts)]
         finally:
             tear_down(cluster)
+    if not cuts:
+        return
     resumed = sorted(c["resumed_s"] for c in cuts)
     print(f"decode host cut, {len(cuts)} times: resumed p50 {statistics.median(resumed):.2f} s, "
           f"max {resumed[-1]:.2f} s; rejoined max {max(c['rejoined_s'] for c in cuts):.2f} s; "

@@ -3,8 +3,10 @@
 `KVClient.pull` connects (over mutual TLS when the cluster has certificates), proves the
 cluster secret and checks the producer's proof, sends its layout (and any pairing fields the data
 plane needs), asks for the leased blocks, receives their bytes straight into this engine's paged
-cache through the data plane, and confirms. Every failure becomes a `TransferError` with a
-reason from `pdserve.kv.stats.FAILURE_REASONS`; the whole pull is bounded by `deadline`.
+cache through the data plane, and confirms. `KVClient.follow` is the same conversation for a
+prefetch: it streams a running prefill's layers into host memory (staging.py). Every failure
+becomes a `TransferError` with a reason from `pdserve.kv.stats.FAILURE_REASONS`; the whole pull
+is bounded by `deadline`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
+from decode_node.staging import StagedKV
 from pdserve.kv.handle import KVHandle
 from pdserve.kv.transport.plane import DataPlane
 from pdserve.kv.wire import (
@@ -58,18 +62,7 @@ class KVClient:
                 "bad_handle", f"handle has no port for tensor-parallel rank {tp_rank}"
             )
         peer = (handle.host, handle.ports[tp_rank])
-        conn = _connect(peer, deadline, self._tls)
-        try:
-            conn.settimeout(max(0.01, min(CONTROL_TIMEOUT_S, deadline - time.monotonic())))
-            self._prove_ourselves(conn)
-            local_host = conn.getsockname()[0]
-            pairing = self.plane.consumer_pairing(peer, local_host)
-            layout = layout_to_pb(self.plane.layout)
-            send_message(conn, pb.Handshake(layout=layout, **pairing))
-            result = recv_message(conn, pb.HandshakeResult)
-            if not result.ok:
-                raise TransferError("handshake", result.message)
-            link = self.plane.consumer_link(peer, pairing, local_host, deadline)
+        with self._conversation(peer, deadline) as (conn, link):
             send_message(
                 conn,
                 pb.PullRequest(
@@ -93,6 +86,48 @@ class KVClient:
             self.plane.recv_blocks(conn, local_blocks, deadline, link)
             send_message(conn, pb.PullDone(ok=True, received_bytes=expected))
             return expected
+
+    def follow(self, peer: tuple[str, int], staged: StagedKV, deadline: float) -> tuple[int, float]:
+        """Prefetch: receive the prefill `staged.key` names into `staged` while it runs (see
+        prefill_node/progress.py); returns the bytes received and the seconds spent receiving
+        them (not waiting for the prefill). Ends with `staged` complete, or raises
+        `TransferError`."""
+        with self._conversation(peer, deadline) as (conn, _):
+            staged.attach(conn)
+            ask = pb.PullRequest(follow_key=staged.key, follow_max_blocks=staged.capacity)
+            send_message(conn, ask)
+            received, receiving = 0, 0.0
+            while True:
+                conn.settimeout(max(0.01, deadline - time.monotonic()))
+                piece = recv_message(conn, pb.KVPiece)
+                if piece.error:
+                    raise TransferError("unknown_request", f"prefetch refused: {piece.error}")
+                if piece.done:
+                    staged.complete(piece.request_id, list(piece.block_ids))
+                    return received, receiving
+                into = staged.room(piece.layer, piece.first_block, piece.num_blocks)
+                started = time.monotonic()
+                self.plane.recv_layer(conn, into, deadline)
+                receiving += time.monotonic() - started
+                staged.received(piece.layer, piece.first_block, piece.num_blocks)
+                received += len(into)
+
+    @contextmanager
+    def _conversation(self, peer: tuple[str, int], deadline: float):
+        """A connection to `peer` past authentication and the layout handshake: (socket, data
+        link); every failure inside becomes a `TransferError`."""
+        conn = _connect(peer, deadline, self._tls)
+        try:
+            conn.settimeout(max(0.01, min(CONTROL_TIMEOUT_S, deadline - time.monotonic())))
+            self._prove_ourselves(conn)
+            local_host = conn.getsockname()[0]
+            pairing = self.plane.consumer_pairing(peer, local_host)
+            layout = layout_to_pb(self.plane.layout)
+            send_message(conn, pb.Handshake(layout=layout, **pairing))
+            result = recv_message(conn, pb.HandshakeResult)
+            if not result.ok:
+                raise TransferError("handshake", result.message)
+            yield conn, self.plane.consumer_link(peer, pairing, local_host, deadline)
         except TimeoutError:
             raise TransferError(
                 "timeout", f"KV pull from {peer[0]}:{peer[1]} passed its deadline"

@@ -21,6 +21,9 @@ vLLM builds the connector twice per engine (`pdserve.kv.connector.PDServeConnect
     failed, and vLLM schedules it one step later.
   On a failure vLLM applies `kv_load_failure_policy`: `recompute` computes the prefill here, `fail`
   ends the request with finish reason "error" (the decode node turns that into `KVLoadFailed`).
+- Prefetch: when the router names this node as a request's decode node before its prefill ends,
+  `ConsumerWorker.prefetch` follows the prefill and stages its KV as it is written (staging.py);
+  the request's pull is then a local copy from the staged blocks, and a release at the producer.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode_node.kv_client import KVClient
+from decode_node.staging import StagedKV, Staging
 from pdserve.kv.handle import (
     REMOTE_PREFILL,
     HandleError,
     KVHandle,
+    prefetch_key,
     produced_tokens,
     wants_remote_prefill,
 )
@@ -48,6 +53,10 @@ from pdserve.kv.wire import TransferError
 logger = logging.getLogger(__name__)
 
 PULL_THREADS = 4
+PREFETCH_THREADS = 8
+"""Prefills followed at once per worker (each waits on its prefill for most of its life)."""
+FOLLOW_S = 120.0
+"""The longest one prefetch follows its prefill (queueing and compute together)."""
 
 
 @dataclass
@@ -178,7 +187,10 @@ class ConsumerWorker:
         self.stats = stats
         self.tp_rank = tp_rank
         self.client = KVClient(plane, settings.read_secret, settings.client_tls())
+        self.plane = plane
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="pdserve-kv-pull")
+        self._prefetches = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="pdserve-ahead")
+        self.staging = Staging(settings.prefetch_mib << 20, settings.lease_s)
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._failed: set[str] = set()
@@ -201,12 +213,65 @@ class ConsumerWorker:
             if not done.result():  # _transfer never raises
                 self._load_errors.update(spec.local_block_ids)
 
-    def _release(self, spec: RecvSpec) -> None:
+    def prefetch(self, key: str, host: str, ports: list[int], num_tokens: int, block_size: int):
+        """Follow the prefill `key` names on `host` and stage its KV (see staging.py). False when
+        this worker will not: prefetch off or out of room, a plane that cannot follow, a host
+        handles may not name, or a malformed ask."""
+        plane, settings = self.plane, self.settings
+        if not plane.follows or prefetch_key({"prefetch_key": key}) is None:
+            return False
+        if settings.peer_hosts is not None and host not in settings.peer_hosts:
+            return False
+        if self.tp_rank >= len(ports) or not 0 < num_tokens <= 1 << 24 or block_size < 1:
+            return False
+        capacity = -(-num_tokens // block_size) + 1
+        layout = plane.layout
+        staged = self.staging.reserve(key, layout.num_layers, capacity, layout.block_bytes)
+        if staged is None:
+            return False
+        self._prefetches.submit(self._follow, (host, int(ports[self.tp_rank])), staged)
+        return True
+
+    def _follow(self, peer: tuple[str, int], staged: StagedKV) -> None:
+        started = time.monotonic()
+        try:
+            moved, seconds = self.client.follow(peer, staged, started + FOLLOW_S)
+            self.stats.transfer("received", moved, seconds)
+        except Exception as error:  # the request pulls as it would have without a prefetch
+            staged.fail(str(error))
+            if self.staging.take(staged.key) is not None:
+                self.stats.prefetch(used=False)
+            logger.info("prefetch %s… from %s:%d ended: %s", staged.key[:8], *peer, error)
+
+    def _from_staging(self, spec: RecvSpec, handle: KVHandle, deadline: float) -> int | None:
+        """Serve a pull from its prefetch, when there is a complete one for this handle: bytes
+        copied, or None (then the request pulls)."""
+        staged = self.staging.take(handle.prefetch_key) if handle.prefetch_key else None
+        if staged is None:
+            return None
+        staged.ended.wait(max(0.0, deadline - time.monotonic()))
+        places = staged.places(handle.request_id, handle.block_ids, spec.remote_block_ids)
+        if places is None:
+            self.stats.prefetch(used=False)
+            running = not staged.ended.is_set()
+            why = staged.error or ("still running" if running else "not the handle's")
+            staged.drop(why)
+            logger.info("prefetch of %s not used (%s): pulling", handle.request_id, why)
+            return None
+        copied = staged.copy_into(self.plane.layers, places, spec.local_block_ids)
+        self.stats.prefetch(used=True)
+        self._pool.submit(self._release, spec, False)  # the lease: one completed read
+        return copied
+
+    def _release(self, spec: RecvSpec, unread: bool = True) -> None:
+        """Tell the producer this handle's read is complete (no blocks moved): `unread`, every
+        block was cached here; else they came with a prefetch."""
         try:
             handle = KVHandle.from_params(spec.params, self.settings.peer_hosts)
             deadline = time.monotonic() + min(self.settings.timeout_s, 5.0)
             self.client.pull(handle, [], [], self.tp_rank, deadline)
-            self.stats.released()
+            if unread:
+                self.stats.released()
         except (TransferError, HandleError) as error:  # the lease will free them instead
             logger.info("could not release unneeded KV at the producer: %s", error)
 
@@ -229,10 +294,11 @@ class ConsumerWorker:
             if lease_left <= 0:
                 raise TransferError("lease_expired", f"lease ended {-lease_left:.1f} s ago")
             deadline = started + min(self.settings.timeout_s, lease_left)
-            moved = self.client.pull(
-                handle, spec.remote_block_ids, spec.local_block_ids, self.tp_rank, deadline
-            )
-            self.stats.transfer("received", moved, time.monotonic() - started)
+            if self._from_staging(spec, handle, deadline) is None:
+                moved = self.client.pull(
+                    handle, spec.remote_block_ids, spec.local_block_ids, self.tp_rank, deadline
+                )
+                self.stats.transfer("received", moved, time.monotonic() - started)
             failed = False
         except (TransferError, HandleError) as error:
             reason = getattr(error, "reason", "bad_handle")
@@ -261,3 +327,4 @@ class ConsumerWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetches.shutdown(wait=False, cancel_futures=True)

@@ -63,6 +63,18 @@ class DecodeNode(EngineActor):
                 raise await self._kv_failure(request_id)
             yield replace(delta, num_prompt_tokens=len(prompt_token_ids))
 
+    async def prefetch(
+        self, key: str, host: str, ports: list[int], num_tokens: int, block_size: int
+    ) -> bool:
+        """Start following the prefill `key` names on `host` (its KV server's `ports`), a prompt of
+        `num_tokens`: its KV is staged here as it is written, for the decode leg that follows
+        (decode_node/staging.py). False when the workers will not (`ConsumerWorker.prefetch`)."""
+        if self._engine is None:
+            return False
+        args = (key, host, list(ports), num_tokens, block_size)
+        started = await self._engine.collective_rpc("pdserve_prefetch", args=args)
+        return all(started)
+
     async def _kv_failure(self, request_id: str) -> KVLoadFailed:
         """The reason the connector recorded for this request's failed pull (vLLM suffixes the
         request id it sees)."""

@@ -340,6 +340,11 @@ class KVTransferConfig(_Strict):
     that admits the request, which decodes in that step (the hand-over costs the pull); `async`
     pulls it beside the steps and schedules the request one or two steps after the pull ends
     (no step waits for a pull)."""
+    prefetch_mib: int = Field(KV_DEFAULTS.prefetch_mib, ge=0)
+    """Host memory (MiB) each decode engine may hold for KV it receives while the prefill still
+    runs: the router names the decode node as the prefill starts, the decode node follows the
+    prefill layer by layer, and the hand-over then costs a local copy instead of the whole
+    transfer (the `tcp` plane). 0: the KV crosses after the prefill."""
 
     tls: KVTLSConfig | None = None
     """Mutual TLS on the `tcp` plane's connections (and the control connection of `nccl` and
@@ -357,6 +362,7 @@ class KVTransferConfig(_Strict):
             lease_s=self.lease_s,
             timeout_s=self.timeout_s,
             load=self.load,
+            prefetch_mib=self.prefetch_mib,
             secret=secret,
             peer_hosts=peer_hosts,
             tls_cert_file=self.tls.cert_file if self.tls else None,

@@ -8,6 +8,9 @@ One connection serves one pull, in the order of proto/pdserve/v1/kv_transfer.pro
    arrives before the worker heard of the request carries the scheduler's signed lease.
 4. PullReply with the byte count, then the bytes through the data plane (TCP or NCCL), then the
    consumer's PullDone: only a completed pull lets the blocks go.
+   A PullRequest with a `follow_key` is a prefetch instead (progress.py): no lease is claimed;
+   each layer of the running prefill's blocks goes as a KVPiece and its bytes as soon as the
+   forward wrote it, and a last KVPiece says done (with the block ids) or why not.
 Every connection has deadlines: `AUTH_DEADLINE_S` to prove the secret (reading nothing larger
 than an answer needs), `CONTROL_DEADLINE_S` for the whole conversation before the bytes; a peer
 that sends slowly loses its connection. Until it has proven the secret a connection holds one of
@@ -19,6 +22,7 @@ then holds one of `MAX_PULLS` pull slots.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -43,6 +47,7 @@ from pdserve.kv.wire import (
 )
 from pdserve_proto.v1 import kv_transfer_pb2 as pb
 from prefill_node.leases import ClaimError, ProducerTable
+from prefill_node.progress import Piece, WriteProgress
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,8 @@ CLAIM_WAIT_S = 5.0
 AUTH_DEADLINE_S = 3.0
 CONTROL_DEADLINE_S = 10.0
 SEND_TIMEOUT_S = 60.0
+FOLLOW_S = 120.0
+"""The longest a prefetch follows one prefill (its queueing and its compute together)."""
 MAX_PULLS = 64
 """Pulls served at once (connections past authentication)."""
 MAX_UNPROVEN = 128
@@ -86,8 +93,11 @@ class KVServer:
         port: int = 0,
         engine_id: str = "",
         tls: ssl.SSLContext | None = None,
+        progress: WriteProgress | None = None,
     ) -> None:
         self.plane, self.table, self.stats = plane, table, stats
+        self.progress = progress
+        """Running prefills that decode nodes may follow (None: prefetches are refused)."""
         self._tls = tls
         """Mutual TLS on every connection (pdserve/tls.py), or None: plain TCP."""
         self.engine_id = engine_id
@@ -197,7 +207,11 @@ class KVServer:
             }
             link = self.plane.producer_link(pairing, conn.getsockname()[0], deadline)
             _within(conn, deadline)
-            self._serve_pull(conn, recv_message(conn, pb.PullRequest), link)
+            request = recv_message(conn, pb.PullRequest)
+            if request.follow_key:
+                self._serve_follow(conn, request)
+            else:
+                self._serve_pull(conn, request, link)
         except (ProtocolError, ConnectionError, TimeoutError, OSError) as error:
             logger.warning("KV server: closed connection from %s: %s", peer, error)
         finally:
@@ -271,3 +285,39 @@ class KVServer:
                 self.stats.transfer("sent", total, time.monotonic() - started)
         finally:
             self.table.release(request.request_id, completed)
+
+    def _serve_follow(self, conn: socket.socket, request: pb.PullRequest) -> None:
+        """Stream a running prefill's pieces as they are written (a prefetch; see progress.py)."""
+        if self.progress is None or not self.plane.follows:
+            why = f"this producer ({self.plane.name} plane) cannot be followed"
+            send_message(conn, pb.KVPiece(error=why))
+            return
+        started = time.monotonic()
+        deadline, sent = started + FOLLOW_S, 0
+        limit = request.follow_max_blocks
+
+        def gone() -> bool:  # the consumer sends nothing while it follows: anything is its end
+            return self._closed.is_set() or bool(select.select([conn], [], [], 0)[0])
+
+        for item in self.progress.follow(request.follow_key, deadline, gone):
+            if not isinstance(item, Piece):
+                if item.error:
+                    send_message(conn, pb.KVPiece(error=item.error))
+                    return
+                done = pb.KVPiece(done=True, request_id=item.request_id, block_ids=item.block_ids)
+                send_message(conn, done)
+                self.stats.transfer("sent", sent, time.monotonic() - started)
+                return
+            if item.first_block + len(item.block_ids) > limit:
+                send_message(conn, pb.KVPiece(error=f"the prompt holds more than {limit} blocks"))
+                return
+            if item.ready is not None:
+                item.ready.synchronize()
+            _within(conn, deadline)
+            piece = pb.KVPiece(
+                layer=item.layer, first_block=item.first_block, num_blocks=len(item.block_ids)
+            )
+            send_message(conn, piece)
+            self.plane.send_layer(conn, item.layer, list(item.block_ids), deadline)
+            sent += len(item.block_ids) * self.plane.layout.block_bytes
+            self.plane.pace(started, sent)

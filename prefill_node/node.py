@@ -26,10 +26,11 @@ from pdserve.engine.types import TokenDelta
 from pdserve.kv.handle import producer_params
 
 
-def prefill_params(params: Any, sample_first: bool, readers: int) -> Any:
-    """Parameters for the prefill leg, keeping the KV for `readers` decodes: the client's cut to
-    the first token, or (not sampling for the client) the plainest that compute the KV."""
-    kv = {"kv_transfer_params": producer_params(readers)}
+def prefill_params(params: Any, sample_first: bool, readers: int, prefetch: str = "") -> Any:
+    """Parameters for the prefill leg, keeping the KV for `readers` decodes (and followed under
+    the `prefetch` key): the client's cut to the first token, or (not sampling for the client)
+    the plainest that compute the KV."""
+    kv = {"kv_transfer_params": producer_params(readers, prefetch)}
     if not sample_first:
         from vllm import SamplingParams
 
@@ -54,10 +55,12 @@ class PrefillNode(EngineActor):
         sampling_params: Any,
         sample_first: bool = True,
         readers: int = 1,
+        prefetch: str = "",
     ) -> AsyncIterator[TokenDelta]:
         """The prompt's KV, kept for `readers` decode legs, and one token (the request's first
-        when `sample_first`); the last delta carries the KV handle."""
-        params = prefill_params(sampling_params, sample_first, readers)
+        when `sample_first`); the last delta carries the KV handle. With a `prefetch` key, a
+        decode node follows the prefill as it runs (prefill_node/progress.py)."""
+        params = prefill_params(sampling_params, sample_first, readers, prefetch)
         async for delta in self._run(request_id, prompt_token_ids, params):
             yield delta
 

@@ -16,12 +16,16 @@ A split route, step by step:
    every token.
 KV the prefill node keeps for a decode leg that will not read it to the end (the client left,
 the decode node failed) is given back at once.
+Where the decode node takes prefetches, it is asked to follow the prefill as the prefill starts
+(`prefetch`: a random key names the prefill on both nodes): the KV crosses while the prompt is
+computed, and the decode leg's pull is a local copy (decode_node/staging.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
@@ -54,8 +58,9 @@ class Dispatcher:
         self.prefill, self.decode = routing.prefill, routing.decode
         self.mode = "colocated" if routing.prefill is None else "disaggregated"
         self.pools = {pool.name: pool for pool in (routing.prefill, routing.decode) if pool}
-        self._giving_back: set[asyncio.Task] = set()
-        """KV being given back to prefill nodes (kept: a task nobody holds may be collected)."""
+        self._aside_tasks: set[asyncio.Task] = set()
+        """KV being given back to prefill nodes, prefetches being asked for (kept: a task nobody
+        holds may be collected)."""
 
     @classmethod
     def colocated(cls, pool: Pool, observer: RouteObserver | None = None) -> Dispatcher:
@@ -113,7 +118,10 @@ class Dispatcher:
         self, route: Route, prepared: PreparedRequest, deadline: float
     ) -> AsyncIterator[TokenDelta]:
         sample_first = route.first_token == seam.FIRST_ON_PREFILL
-        prefill_node, first = await self._prefill(route.prefill, prepared, deadline, sample_first)
+        prefetch = self._prefetch(route, len(prepared.prompt_token_ids))
+        prefill_node, first = await self._prefill(
+            route.prefill, prepared, deadline, sample_first, prefetch
+        )
         handed_over = clock.now()
         first_tokens: list[int] = []
         ended = False  # the decode leg ran to its end (it read the KV, or had none to read)
@@ -155,9 +163,22 @@ class Dispatcher:
                 self._give_back(prefill_node, first.handle)
 
     def _give_back(self, node: Node, handle: Any) -> None:
-        task = asyncio.get_running_loop().create_task(self.prefill.give_back(node, handle))
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
+        self._aside(self.prefill.give_back(node, handle))
+
+    def _prefetch(self, route: Route, num_tokens: int) -> str:
+        """Ask the route's decode node to follow its prefill, when both can; the key that names
+        the prefill, or "" (the decode leg pulls after the prefill)."""
+        source, target = route.prefill.info, route.node.info
+        if source is None or target is None or not source.kv_host or not target.prefetch:
+            return ""
+        key = secrets.token_hex(16)
+        self._aside(self.decode.prefetch(route.node, key, source, num_tokens))
+        return key
+
+    def _aside(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._aside_tasks.add(task)
+        task.add_done_callback(self._aside_tasks.discard)
 
     def _handover(self, seconds: float) -> None:
         self.placement.observe_handover(seconds)
@@ -165,10 +186,16 @@ class Dispatcher:
             self.observer.handed_over(seconds)
 
     async def _prefill(
-        self, node: Node, prepared: PreparedRequest, deadline: float, sample_first: bool
+        self,
+        node: Node,
+        prepared: PreparedRequest,
+        deadline: float,
+        sample_first: bool,
+        prefetch: str = "",
     ) -> tuple[Node, TokenDelta]:
         """Run the prefill leg on `node` to its end and fold its deltas into one: the first token
-        (when `sample_first`) and the handle for the decode leg(s); with the node that ran it."""
+        (when `sample_first`) and the handle for the decode leg(s); with the node that ran it.
+        `prefetch`: the key a decode node follows it under."""
         tokens, text, logprobs, first, last = [], [], [], None, None
         params = prepared.sampling_params
         leg = self.prefill.stream(
@@ -179,6 +206,7 @@ class Dispatcher:
             params,
             sample_first,
             params.n,
+            *((prefetch,) if prefetch else ()),
             deadline=deadline,
         )
         async with aclosing(leg):

@@ -47,6 +47,13 @@ class NodeClient(ABC):
         it. A node that keeps no KV for others has none to free."""
         return False
 
+    async def prefetch(
+        self, key: str, host: str, ports: tuple[int, ...], num_tokens: int, block_size: int
+    ) -> bool:
+        """Follow the prefill `key` names on the KV server at `host` and stage its KV for the
+        decode leg to come (decode_node/staging.py). A node that takes no prefetches declines."""
+        return False
+
     async def shutdown(self) -> None:
         """Shut the node's engine down (the autoscaler stops a node it drained)."""
         raise NotImplementedError

@@ -33,7 +33,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.engine.types import RequestRejected, TokenDelta
+from pdserve.engine.types import NodeInfo, RequestRejected, TokenDelta
 from router import clock
 from router.errors import DeadlineExceeded, InvalidRequest, NodeFailed, PoolUnavailable
 from router.nodes import Node
@@ -207,6 +207,18 @@ class Pool:
             logger.debug("%s node %s: KV given back (%s)", self.name, node.name, freed)
         except Exception as error:  # the lease frees it instead
             logger.info("%s node %s: giving KV back failed: %r", self.name, node.name, error)
+
+    async def prefetch(self, node: Node, key: str, source: NodeInfo, num_tokens: int) -> None:
+        """Ask `node` to follow the prefill `key` names on the `source` node and stage its KV; a
+        node that declines or does not answer in time pulls after the prefill instead."""
+        try:
+            async with asyncio.timeout(GIVE_BACK_S):
+                started = await node.client.prefetch(
+                    key, source.kv_host, source.kv_ports, num_tokens, source.block_size
+                )
+            logger.debug("%s node %s: prefetch %s… (%s)", self.name, node.name, key[:8], started)
+        except Exception as error:  # it pulls instead
+            logger.info("%s node %s: prefetch failed: %r", self.name, node.name, error)
 
     def silent_for(self, node: Node) -> float:
         """Seconds the node has been silent beyond `silence_s` (0: not silent, or the router

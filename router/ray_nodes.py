@@ -60,6 +60,11 @@ class RayNodeClient(NodeClient):
     async def give_back(self, handle: dict[str, Any]) -> bool:
         return await self._call("give_back", handle)
 
+    async def prefetch(
+        self, key: str, host: str, ports: tuple[int, ...], num_tokens: int, block_size: int
+    ) -> bool:
+        return await self._call("prefetch", key, host, list(ports), num_tokens, block_size)
+
     async def drop_engine(self) -> None:
         await self._call("drop_engine")
 

@@ -163,8 +163,20 @@ class EngineActor:
             max_model_len=vllm_config.model_config.max_model_len,
             block_size=vllm_config.cache_config.block_size,
             start_s=round(time.monotonic() - started, 2),
+            **await self._kv_endpoint(),
         )
         logger.info("engine %s ready in %.1f s", self._name, info.start_s)
+        return info
+
+    async def _kv_endpoint(self) -> dict[str, Any]:
+        """The KV connector's endpoint for NodeInfo: KV server address and ports (a producer),
+        and whether it takes prefetches (a consumer)."""
+        if not self._engine_args.get("kv_transfer_config"):
+            return {}
+        ranks = await self._engine.collective_rpc("pdserve_kv_endpoint")
+        info: dict[str, Any] = {"prefetch": all(rank and rank["prefetch"] for rank in ranks)}
+        if ranks and all(rank and "port" in rank for rank in ranks):
+            info |= {"kv_host": ranks[0]["host"], "kv_ports": tuple(r["port"] for r in ranks)}
         return info
 
     def _start_utilization(self, vllm_config: Any) -> None:

@@ -60,6 +60,11 @@ class NodeInfo:
     max_model_len: int
     block_size: int
     start_s: float
+    kv_host: str = ""
+    """Where its KV server listens (a producer; "" : none), one port per tensor-parallel rank."""
+    kv_ports: tuple[int, ...] = ()
+    prefetch: bool = False
+    """Its consumer half stages KV from prefills still running (decode_node/staging.py)."""
 
 
 class RequestRejected(ValueError):

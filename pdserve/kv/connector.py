@@ -12,8 +12,10 @@ prefill node (`prefill_node/kv_producer.py`), the consumer half with the decode 
 (`decode_node/kv_consumer.py`); `kv_both` holds both. The halves are looked up by name and
 imported lazily (`HALVES`), like the data planes: this shared package names both roles' modules
 but has no import of either, and a process loads only the halves its role needs.
-Transfers are whole-request and pulled by the consumer after the prefill finished, so the
-per-layer hooks have nothing to do.
+Transfers are pulled by the consumer: after the prefill finished, or (a prefetch) while it runs,
+following it layer by layer — the producer's per-layer hooks (`save_kv_layer`, `wait_for_save`)
+mark what the forward has written (prefill_node/progress.py). The consumer's load hooks have
+nothing to do: a request's KV is in place before its first forward.
 
 No hook may raise into vLLM: an exception in a scheduler hook would end the EngineCore, and
 with it every request on the engine. Each hook catches what its half raises, logs it, and fails
@@ -64,10 +66,13 @@ def _half(name: str, side: int) -> type:
 
 @dataclass
 class PDServeMetadata(KVConnectorMetadata):
-    """One step's work for the workers: blocks to offer (producer) and pulls to start (consumer)."""
+    """One step's work for the workers: blocks to offer and followed prefills this step writes
+    or that ended (producer), pulls to start (consumer)."""
 
     send: dict[str, Any] = field(default_factory=dict)
     recv: dict[str, Any] = field(default_factory=dict)
+    write: dict[str, Any] = field(default_factory=dict)
+    unfollow: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +108,15 @@ class PDServeKVStats(KVConnectorStats):
         return {**summary, **self.data["gauges"]}
 
 
+def _quietly(hook, *args) -> None:
+    """A follow-up hook of the forward: a failure there costs a prefetch (its consumer pulls
+    instead), never the step."""
+    try:
+        hook(*args)
+    except Exception:
+        logger.exception("KV connector: %s failed", getattr(hook, "__name__", hook))
+
+
 def _tp_rank_and_size() -> tuple[int, int]:
     try:
         from vllm.distributed.parallel_state import (
@@ -126,12 +140,19 @@ class PDServeConnector(KVConnectorBase_V1):
         self.consumer: Any = None
         self._stats: TransferStats | None = None
         self._last_gauges: dict | None = None
+        self._begun: PDServeMetadata | None = None
+        """The step metadata whose followed writes the producer was told of."""
         if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
             if "producer" in self._halves:
-                self.producer = _half("producer", 0)(self._settings, config.engine_id or "")
+                producer = _half("producer", 0)
+                self.producer = producer(self._settings, config.engine_id or "", block_size)
             if "consumer" in self._halves:
-                block_size = vllm_config.cache_config.block_size
                 self.consumer = _half("consumer", 0)(self._settings, block_size)
+
+    @property
+    def settings(self) -> ConnectorSettings:
+        return self._settings
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -155,10 +176,15 @@ class PDServeConnector(KVConnectorBase_V1):
                 self.consumer.failed_pull(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return PDServeMetadata(
-            send=self.producer.take_offers() if self.producer else {},
-            recv=self.consumer.take_pulls() if self.consumer else {},
-        )
+        meta = PDServeMetadata(recv=self.consumer.take_pulls() if self.consumer else {})
+        if self.producer is not None:
+            meta.send = self.producer.take_offers()
+            try:
+                meta.write = self.producer.plan_writes(scheduler_output)
+            except Exception:  # followers time out and pull instead
+                logger.exception("KV connector: planning this step's followed writes failed")
+            meta.unfollow = self.producer.take_unfollowed()
+        return meta
 
     def request_finished(self, request, block_ids):
         try:
@@ -227,18 +253,35 @@ class PDServeConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self.producer is not None:
             self.producer.offer(meta.send)
+            self._begin_writes()
         if self.consumer is not None:
             self.consumer.start(meta.recv)  # pulls run on threads that catch everything
+
+    def _begin_writes(self) -> None:
+        """Tell the producer which followed prefills this step writes, once per step: before the
+        forward's first layer is written. vLLM calls `start_load_kv` after the forward when the
+        step loads nothing synchronously, so the first `save_kv_layer` may come first."""
+        meta = self._get_connector_metadata()
+        if self._begun is not meta:
+            self._begun = meta
+            _quietly(self.producer.begin_step, meta.write, meta.unfollow)
 
     def wait_for_layer_load(self, layer_name):
         """Nothing to wait for: a request's whole KV is loaded before its first forward (async:
         before it is scheduled; sync: in `start_load_kv`, before the step's forward)."""
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        """Nothing to save: the producer serves blocks from its cache after the prefill."""
+        """The forward wrote this layer: its pieces of followed prefills may go (nothing is
+        copied; the KV server reads the cache)."""
+        if self.producer is not None:
+            self._begin_writes()
+            _quietly(self.producer.layer_written, layer_name)
 
     def wait_for_save(self):
-        """Nothing to wait for (see save_kv_layer)."""
+        """The forward is over (nothing to wait for: pieces are read from the cache): followed
+        prefills whose prompt this step finished are complete."""
+        if self.producer is not None:
+            _quietly(self.producer.step_done)
 
     def get_finished(self, finished_req_ids):
         results = self.get_transfer_results(finished_req_ids)

@@ -20,11 +20,30 @@ class HandleError(ValueError):
 
 READERS = "remote_readers"
 MAX_READERS = 256
+PREFETCH_KEY = "prefetch_key"
+"""Names a prefill that a decode node follows while it runs (prefill_node/progress.py)."""
+PREFETCH_KEY_CHARS = 32
 
 
-def producer_params(readers: int = 1) -> dict[str, Any]:
-    """kv_transfer_params for the prefill leg: "keep the KV for `readers` remote decodes"."""
-    return {REMOTE_DECODE: True, READERS: readers}
+def producer_params(readers: int = 1, prefetch: str = "") -> dict[str, Any]:
+    """kv_transfer_params for the prefill leg: "keep the KV for `readers` remote decodes" (and,
+    with a `prefetch` key, "a decode node follows this prefill under that key")."""
+    params: dict[str, Any] = {REMOTE_DECODE: True, READERS: readers}
+    if prefetch:
+        params[PREFETCH_KEY] = prefetch
+    return params
+
+
+def prefetch_key(params: Any) -> str | None:
+    """The prefetch key in kv_transfer_params, if it is one (32 hex digits), else None."""
+    value = params.get(PREFETCH_KEY) if isinstance(params, dict) else None
+    if not isinstance(value, str) or len(value) != PREFETCH_KEY_CHARS:
+        return None
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return None
+    return value
 
 
 def readers_of(params: dict[str, Any]) -> int:
@@ -52,9 +71,12 @@ class KVHandle:
     """The producer scheduler's HMAC over the lease; see wire.lease_token."""
     readers: int = 1
     """Completed pulls the lease allows."""
+    prefetch_key: str = ""
+    """The key a decode node may have followed this prefill under ("" : none)."""
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        prefetch = {PREFETCH_KEY: self.prefetch_key} if self.prefetch_key else {}
+        return prefetch | {
             REMOTE_PREFILL: True,
             "remote_host": self.host,
             "remote_ports": list(self.ports),
@@ -101,6 +123,7 @@ class KVHandle:
             transport=_text(params, "transport", 16, required=False) or "tcp",
             lease_token=lease,
             readers=readers_of(params),
+            prefetch_key=prefetch_key(params) or "",
         )
 
 

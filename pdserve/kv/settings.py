@@ -43,6 +43,10 @@ class ConnectorSettings:
     """Consumer: "sync" loads a request's KV at the start of the step that schedules it (it
     decodes in that same step); "async" loads it on a thread while the request waits outside the
     batch (scheduled one or two steps after the load ends; the step is never held up)."""
+    prefetch_mib: int = 512
+    """Consumer: host memory (MiB) for KV streamed from prefills while they run, when the router
+    names this node as the decode node before the prefill ends (the TCP plane); 0: pull only
+    after the prefill."""
     peer_hosts: tuple[str, ...] | None = None
     """Consumer: the hosts a handle may send it to pull from (None: any). A handle naming another
     host fails its request as a bad handle."""
@@ -73,6 +77,8 @@ class ConnectorSettings:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {settings.transport!r}")
         if settings.load not in LOADS:
             raise ValueError(f"load must be one of {LOADS}, not {settings.load!r}")
+        if settings.prefetch_mib < 0:
+            raise ValueError("prefetch_mib must be 0 or more")
         if settings.lease_s <= 0 or settings.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
         if not (0 <= int(settings.port) <= 65535):

@@ -40,6 +40,10 @@ class KVCounters:
     """Offers whose lease ended before a completed pull (their blocks were freed)."""
     releases: int = 0
     """Handles a consumer gave back unread because it had every block cached."""
+    prefetches_used: int = 0
+    """Pulls served from KV streamed while the prefill ran (decode_node/staging.py)."""
+    prefetches_missed: int = 0
+    """Prefetches that could not serve their pull (failed, unfinished, not the handle's)."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed pulls by reason (FAILURE_REASONS)."""
 
@@ -126,6 +130,13 @@ class TransferStats:
     def leases_expired(self, count: int) -> None:
         with self._lock:
             self._counters.leases_expired += count
+
+    def prefetch(self, used: bool) -> None:
+        with self._lock:
+            if used:
+                self._counters.prefetches_used += 1
+            else:
+                self._counters.prefetches_missed += 1
 
     def released(self) -> None:
         with self._lock:

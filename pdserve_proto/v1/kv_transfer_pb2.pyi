@@ -78,20 +78,42 @@ class HandshakeResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids", "held_block_ids", "lease_deadline", "lease_token", "lease_readers")
+    __slots__ = ("request_id", "block_ids", "held_block_ids", "lease_deadline", "lease_token", "lease_readers", "follow_key", "follow_max_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_READERS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_KEY_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     held_block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_deadline: float
     lease_token: bytes
     lease_readers: int
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., held_block_ids: _Optional[_Iterable[int]] = ..., lease_deadline: _Optional[float] = ..., lease_token: _Optional[bytes] = ..., lease_readers: _Optional[int] = ...) -> None: ...
+    follow_key: str
+    follow_max_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., held_block_ids: _Optional[_Iterable[int]] = ..., lease_deadline: _Optional[float] = ..., lease_token: _Optional[bytes] = ..., lease_readers: _Optional[int] = ..., follow_key: _Optional[str] = ..., follow_max_blocks: _Optional[int] = ...) -> None: ...
+
+class KVPiece(_message.Message):
+    __slots__ = ("layer", "first_block", "num_blocks", "done", "request_id", "block_ids", "error")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    first_block: int
+    num_blocks: int
+    done: bool
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., done: _Optional[bool] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("status", "message", "total_bytes", "num_layers", "num_blocks")

@@ -180,6 +180,11 @@ class _NodeFamilies:
         self.kv_held = gauge(
             "pdserve_kv_blocks_held", "KV blocks a prefill node keeps for decode nodes."
         )
+        self.kv_prefetches = counter(
+            "pdserve_kv_prefetches",
+            "KV streamed to a decode node while its prefill ran: used by the pull, or missed.",
+            ("outcome",),
+        )
         self.pool_nodes = GaugeMetricFamily(
             "pdserve_pool_nodes", "Nodes of each pool by state.", labels=["pool", "state"]
         )
@@ -269,6 +274,8 @@ class _NodeFamilies:
         self.kv_in_flight.add_metric(key, gauges.in_flight)
         self.kv_expired.add_metric(key, counters.leases_expired)
         self.kv_held.add_metric(key, gauges.blocks_held)
+        self.kv_prefetches.add_metric([*key, "used"], counters.prefetches_used)
+        self.kv_prefetches.add_metric([*key, "missed"], counters.prefetches_missed)
 
     def _add_queue_time(self, key: list[str], stats: Any) -> None:
         cumulative, buckets = 0, []

@@ -45,20 +45,22 @@ class HostCluster:
         return int(Path(f"/sys/class/net/{link}/statistics/{name}").read_text())
 
 
-def config_for_test(work: Path, dtype: str = "float32") -> Path:
+def config_for_test(work: Path, dtype: str = "float32", kv: dict | None = None) -> Path:
     """deploy/config/cluster-cpu.yaml as written, with what a test needs on top: float32 (exact
     comparisons), every prompt prefilled on the prefill host (every request's KV crosses a
-    link), and short leases (blocks of a cut pull come back within the test)."""
+    link), and short leases (blocks of a cut pull come back within the test); `kv`: more
+    `kv_transfer` settings."""
     config = yaml.safe_load((REPO / "deploy/config/cluster-cpu.yaml").read_text())
     config["engine"]["dtype"] = dtype
     config["router"]["placement"] = {"mode": "remote"}
     config["kv_transfer"]["lease_s"] = 20
+    config["kv_transfer"].update(kv or {})
     path = work / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def bring_up(work: Path, dtype: str = "float32") -> HostCluster:
+def bring_up(work: Path, dtype: str = "float32", kv: dict | None = None) -> HostCluster:
     try:  # a cluster left by an interrupted run: take it down first
         EmulatedCluster.find(PREFIX).down()
     except HostsError:
@@ -77,7 +79,7 @@ def bring_up(work: Path, dtype: str = "float32") -> HostCluster:
         command = [sys.executable, "-m", "pdserve.cli", "serve"]
         command += [
             "--config",
-            str(config_for_test(work, dtype)),
+            str(config_for_test(work, dtype, kv)),
             "--port",
             "0",
             "--grpc-port",

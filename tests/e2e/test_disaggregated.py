@@ -155,6 +155,26 @@ def test_the_kv_crosses_on_mutual_tls(client, server):
     assert failures() == failed == 0
 
 
+def test_the_kv_crosses_while_the_prefill_runs(client, server, corpus_text):
+    """The decode node follows each prefill as it runs (a prefetch): the decode leg's pull is
+    served from what it staged — one prefetch used per request, none missed — and the answer
+    is what a pull would have given (the parity suite compares it with plain vLLM)."""
+
+    def prefetches(outcome: str) -> float:
+        return metric(server, "pdserve_kv_prefetches_total", outcome=outcome, pool="decode")
+
+    used, missed = prefetches("used"), prefetches("missed")
+    for words in (40, 400):  # one chunk, and a prompt of several blocks
+        prompt = " ".join(corpus_text.split()[:words])
+        answer = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=3, temperature=0
+        )
+        assert answer.usage.completion_tokens == 3
+    assert metric_reaching(server, "pdserve_kv_prefetches_total", used + 2, outcome="used",
+                           pool="decode") == used + 2  # fmt: skip
+    assert prefetches("missed") == missed
+
+
 def test_max_tokens_one_is_served_by_the_prefill_node_alone(client, server):
     def routed(pool: str) -> float:
         return metric(server, "pdserve_routing_decisions_total", pool=pool)

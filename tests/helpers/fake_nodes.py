@@ -91,6 +91,8 @@ class FakeNode(NodeClient):
     """Engines the router ended as stuck."""
     given_back: list = field(default_factory=list)
     """Handles the router gave back unread."""
+    prefetches: list = field(default_factory=list)
+    """(key, host, ports, prompt tokens, block size) of the prefills it was asked to follow."""
     silent: bool = False
     """True: nothing the node says reaches the router (a cut link); calls hang."""
     _heard: asyncio.Event = field(default_factory=asyncio.Event)
@@ -161,6 +163,10 @@ class FakeNode(NodeClient):
 
     async def give_back(self, handle: dict) -> bool:
         self.given_back.append(handle)
+        return True
+
+    async def prefetch(self, *ask: Any) -> bool:
+        self.prefetches.append(ask)
         return True
 
     async def drop_engine(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -445,3 +446,25 @@ async def test_prompt_logprobs_and_one_token_requests_run_on_one_engine():
     assert not p.calls and [c.method for c in d.calls] == ["generate"]
     await collect(disaggregated([p], [d]), prepared(max_tokens=1, stop=["x"]))
     assert [c.method for c in p.calls] == ["generate"]
+
+
+async def test_a_decode_node_that_takes_prefetches_follows_the_prefill_under_one_key():
+    """The prefill node serves KV and the decode node takes prefetches: the decode node is asked
+    to follow the prefill (the prefill node's KV address, the prompt's size) under a fresh key,
+    and the prefill leg carries the same key. Without either, nothing is asked."""
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    prefill_node, decode_node = dispatcher.prefill.nodes[0], dispatcher.decode.nodes[0]
+    await collect(dispatcher, prepared(max_tokens=3))
+    assert d.prefetches == [] and len(p.calls[0].args) == 2  # (sample_first, n): no key
+    prefill_node.info = replace(prefill_node.info, kv_host="127.9.0.1", kv_ports=(7100, 7101))
+    await collect(dispatcher, prepared(max_tokens=3))
+    assert d.prefetches == []  # the decode node takes none
+    decode_node.info = replace(decode_node.info, prefetch=True)
+    for _ in range(2):
+        await collect(dispatcher, prepared(max_tokens=3))
+    await asyncio.sleep(0)
+    keys = [ask[0] for ask in d.prefetches]
+    assert [ask[1:] for ask in d.prefetches] == [("127.9.0.1", (7100, 7101), 4, 128)] * 2
+    assert len(set(keys)) == 2 and all(len(key) == 32 for key in keys)
+    assert [call.args[2] for call in p.calls[2:]] == keys  # the prefill leg carries its key

@@ -293,3 +293,74 @@ def test_sync_pulls_end_before_the_step_and_report_failures_as_blocks():
         time.sleep(0.01)
     assert got == ({"later"}, set())
     worker.close()
+
+
+# ---- a followed prefill: which tokens and blocks each step writes (prefill_node/progress.py) ----
+
+KEY = "ab" * 16
+
+
+def _new(rid: str, prompt: int, blocks: list[int], computed: int, params: dict | None):
+    extra = {"kv_transfer_params": params} if params else {}
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=list(range(prompt)),
+        sampling_params=SimpleNamespace(extra_args=extra),
+        block_ids=(blocks,),
+        num_computed_tokens=computed,
+    )
+
+
+def _step(new=(), cached=(), scheduled=None, resumed=(), preempted=()):
+    """A SchedulerOutput's fields the producer reads; `cached`: (rid, new blocks, computed)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[(c[1],) if c[1] else None for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+            resumed_req_ids=set(resumed),
+        ),
+        num_scheduled_tokens=scheduled or {},
+        preempted_req_ids=set(preempted),
+    )
+
+
+def test_a_followed_prefill_is_planned_chunk_by_chunk():
+    s = ProducerScheduler(SETTINGS, engine_id="engine-p", block_size=16)
+    params = {"do_remote_decode": True, "prefetch_key": KEY}
+    plain = _new("other", 40, [1, 2, 3], 0, {"do_remote_decode": True})
+    first = s.plan_writes(
+        _step([_new("p", 70, [7, 8], 20, params), plain], scheduled={"p": 12, "other": 40})
+    )
+    assert list(first) == [KEY]  # only a prefill that carries a key is followed
+    w = first[KEY]
+    assert (w.request_id, w.block_ids, w.start, w.end, w.final) == ("p", [7, 8], 20, 32, False)
+    last = s.plan_writes(_step(cached=[("p", [9, 10], 32)], scheduled={"p": 38}))
+    w = last[KEY]
+    assert (w.block_ids, w.start, w.end, w.final) == ([7, 8, 9, 10], 32, 70, True)
+    assert s.plan_writes(_step(cached=[("p", [], 70)], scheduled={"p": 1})) == {}  # done
+
+
+def test_a_followed_prefill_that_ends_early_or_is_preempted_is_unfollowed():
+    s = ProducerScheduler(SETTINGS, engine_id="engine-p", block_size=16)
+    params = {"do_remote_decode": True, "prefetch_key": KEY}
+    s.plan_writes(_step([_new("p", 70, [7], 0, params)], scheduled={"p": 16}))
+    s.plan_writes(_step(cached=[("p", [8], 0)], scheduled={"p": 16}, resumed=["p"]))
+    assert s.take_unfollowed() == {KEY: "the prefill was preempted"}
+    s.plan_writes(_step([_new("q", 70, [7], 0, params)], scheduled={"q": 16}))
+    s.request_finished(request("q", 70, params), [7], handed_over=False)  # aborted mid-prompt
+    assert "ended before its last prompt token" in s.take_unfollowed()[KEY]
+    keep, handle = s.request_finished(request("r", 70, params), [7], handed_over=False)
+    assert (keep, handle) == (False, None)  # stopped at its first token: nothing will come
+    assert s.take_unfollowed() == {KEY: "the prefill ended without a hand-over"}
+
+
+def test_a_followed_prefill_names_its_key_in_the_handle():
+    s = producer()
+    params = {"do_remote_decode": True, "prefetch_key": KEY}
+    _, handle = s.request_finished(request("p", 300, params), [4, 5, 6], handed_over=True)
+    assert KVHandle.from_params(handle).prefetch_key == KEY
+    params["prefetch_key"] = "not-hex-" * 4  # a malformed key is no key
+    _, handle = s.request_finished(request("p2", 300, params), [4], handed_over=True)
+    assert KVHandle.from_params(handle).prefetch_key == ""

@@ -6,6 +6,8 @@ consumer's in `decode_node/kv_client.py`. A data plane only moves bytes:
 
 - producer side (prefill worker): `send_blocks(conn, block_ids, deadline, link)`;
 - consumer side (decode worker): `recv_blocks(conn, block_ids, deadline, link)`;
+- a followed prefill's pieces (prefill_node/progress.py), one layer at a time on the control
+  socket: `send_layer` / `recv_layer` (`follows`: the TCP plane only);
 - optional per-peer pairing, negotiated inside the handshake: `consumer_pairing` adds fields to
   it, `consumer_link` and `producer_link` return the link both sides then use (the NCCL
   communicator, collective.py); TCP needs none and uses the control socket itself.
@@ -44,7 +46,19 @@ class DataPlane(ABC):
         self.layout = layout
         self.rate_limit = rate_limit
         """Bytes per second a producer sends at most per transfer (None: no cap)."""
-        self.layers = [kv_caches[name] for name in sorted(kv_caches)]
+        self.layer_names = sorted(kv_caches)
+        self.layers = [kv_caches[name] for name in self.layer_names]
+
+    follows = False
+    """Can stream a running prefill's layers as they are written (`send_layer`, `recv_layer`)."""
+
+    def send_layer(self, conn: socket.socket, layer: int, blocks: list[int], deadline: float):
+        """Producer: these blocks of one layer, on the control socket."""
+        raise NotImplementedError(f"the {self.name} plane cannot follow a prefill")
+
+    def recv_layer(self, conn: socket.socket, into: memoryview, deadline: float) -> None:
+        """Consumer: one layer's blocks (as `send_layer` sent them) into `into`."""
+        raise NotImplementedError(f"the {self.name} plane cannot follow a prefill")
 
     @abstractmethod
     def send_blocks(self, conn: socket.socket, blocks: list[int], deadline: float, link: Any):

@@ -37,6 +37,7 @@ def _settimeout(conn: socket.socket, deadline: float) -> None:
 
 class TcpPlane(DataPlane):
     name = "tcp"
+    follows = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,6 +80,20 @@ class TcpPlane(DataPlane):
                 batch = []
         if batch:
             _recvmsg_all(conn, batch, deadline)
+
+    def send_layer(self, conn: socket.socket, layer: int, blocks: list[int], deadline: float):
+        _tune(conn)
+        if self._views is None:
+            cache = self.layers[layer]
+            runs = (cache[first : first + count] for first, count in block_runs(blocks))
+            return self._send_staged(conn, runs, deadline)
+        size, view = self.layout.block_bytes, self._views[layer]
+        runs = [view[first * size : (first + count) * size] for first, count in block_runs(blocks)]
+        _sendmsg_all(conn, runs, deadline)
+
+    def recv_layer(self, conn: socket.socket, into: memoryview, deadline: float) -> None:
+        _tune(conn)
+        _recvmsg_all(conn, [into], deadline)
 
     def _send_staged(self, conn: socket.socket, runs: Iterator[Any], deadline: float) -> None:
         started, sent = time.monotonic(), 0
