@@ -16,7 +16,7 @@ than an answer needs), `CONTROL_DEADLINE_S` for the whole conversation before th
 that sends slowly loses its connection. Until it has proven the secret a connection holds one of
 `MAX_UNPROVEN` places, at most `MAX_UNPROVEN_PER_PEER` of them per peer address, so one host that
 can reach the port cannot take every place by connecting and saying nothing; a proven connection
-then holds one of `MAX_PULLS` pull slots.
+then holds one of `MAX_PULLS` pull slots (a prefetch, one of `MAX_FOLLOWS` of its own).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ FOLLOW_S = 120.0
 """The longest a prefetch follows one prefill (its queueing and its compute together)."""
 MAX_PULLS = 64
 """Pulls served at once (connections past authentication)."""
+MAX_FOLLOWS = 64
+"""Prefetches served at once, apart from the pulls: a burst of queued prefills, each followed
+while it waits, must not leave the finished ones' pulls without a slot."""
 MAX_UNPROVEN = 128
 """Connections that have not yet proven the secret, all peers together."""
 MAX_UNPROVEN_PER_PEER = 32
@@ -107,6 +110,7 @@ class KVServer:
         self.host, self.port = host, port
         self._server: socket.socket | None = None
         self._slots = threading.BoundedSemaphore(MAX_PULLS)
+        self._follows = threading.BoundedSemaphore(MAX_FOLLOWS)
         self._unproven: dict[str, int] = {}
         """Peer address -> its connections that have not proven the secret yet."""
         self._refused: dict[str, int] = {}
@@ -208,8 +212,16 @@ class KVServer:
             link = self.plane.producer_link(pairing, conn.getsockname()[0], deadline)
             _within(conn, deadline)
             request = recv_message(conn, pb.PullRequest)
-            if request.follow_key:
-                self._serve_follow(conn, request)
+            if request.follow_key:  # a prefetch waits for its prefill: never on a pull's slot
+                self._slots.release()
+                slot = False
+                if not self._follows.acquire(blocking=False):
+                    send_message(conn, pb.KVPiece(error="too many prefetches at once"))
+                    return
+                try:
+                    self._serve_follow(conn, request)
+                finally:
+                    self._follows.release()
             else:
                 self._serve_pull(conn, request, link)
         except (ProtocolError, ConnectionError, TimeoutError, OSError) as error:

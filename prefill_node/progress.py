@@ -125,9 +125,11 @@ class WriteProgress:
             self._cond.notify_all()
 
     def fail(self, key: str, why: str) -> None:
+        """End a follow with `why` — also one whose prefill never ran (it was aborted while it
+        waited), so its follower does not wait for it until its deadline."""
         with self._cond:
-            entry = self._followed.get(key)
-            if entry is not None and not entry.error:
+            entry = self._followed.setdefault(key, _Followed(""))
+            if not entry.error:
                 entry.error = why
                 entry.done = False
                 if key in self._active:

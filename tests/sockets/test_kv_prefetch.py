@@ -33,7 +33,7 @@ def producer():
     table = ProducerTable()
     server = KVServer(plane, table, lambda: b"secret", TransferStats(), progress=progress)
     port = server.start()
-    yield kv, progress, table, port
+    yield kv, progress, table, port, server
     server.close()
 
 
@@ -73,7 +73,7 @@ def follow_in_thread(client, port: int, staged: StagedKV, deadline_s: float = 10
 
 
 def test_each_layer_crosses_while_the_prefill_still_runs(producer):
-    src, progress, _, port = producer
+    src, progress, _, port, _ = producer
     _, worker = consumer_worker()
     staged = StagedKV(KEY, LAYERS, 4, worker.plane.layout.block_bytes)
     thread, outcome = follow_in_thread(worker.client, port, staged)
@@ -96,7 +96,7 @@ def test_each_layer_crosses_while_the_prefill_still_runs(producer):
 
 
 def test_a_cached_prefix_goes_at_once_and_a_late_follower_reads_everything(producer):
-    src, progress, _, port = producer
+    src, progress, _, port, _ = producer
     _, worker = consumer_worker()
     # the engine had the first two blocks cached: this prefill computes tokens [256, 300) only
     forward(progress, StepWrite("p-2", [3, 4, 11], 256, 300, BLOCK_SIZE, True))
@@ -109,7 +109,7 @@ def test_a_cached_prefix_goes_at_once_and_a_late_follower_reads_everything(produ
 
 
 def test_a_prefill_that_ends_without_a_hand_over_ends_the_follow_with_why(producer):
-    _, progress, _, port = producer
+    _, progress, _, port, _ = producer
     _, worker = consumer_worker()
     staged = StagedKV(KEY, LAYERS, 4, worker.plane.layout.block_bytes)
     thread, outcome = follow_in_thread(worker.client, port, staged)
@@ -121,7 +121,7 @@ def test_a_prefill_that_ends_without_a_hand_over_ends_the_follow_with_why(produc
 
 
 def test_a_prefill_that_never_runs_ends_the_follow_at_its_deadline(producer):
-    _, _, _, port = producer
+    _, _, _, port, _ = producer
     _, worker = consumer_worker()
     staged = StagedKV(KEY, LAYERS, 4, worker.plane.layout.block_bytes)
     thread, outcome = follow_in_thread(worker.client, port, staged, deadline_s=0.5)
@@ -130,7 +130,7 @@ def test_a_prefill_that_never_runs_ends_the_follow_at_its_deadline(producer):
 
 
 def test_a_prompt_larger_than_the_room_is_refused(producer):
-    _, progress, _, port = producer
+    _, progress, _, port, _ = producer
     _, worker = consumer_worker()
     staged = StagedKV(KEY, LAYERS, 2, worker.plane.layout.block_bytes)
     thread, outcome = follow_in_thread(worker.client, port, staged)
@@ -147,7 +147,7 @@ def handle(port: int, request_id: str, blocks: list[int], key: str = KEY) -> KVH
 
 
 def test_the_pull_is_served_from_the_prefetch_and_releases_the_lease(producer):
-    src, progress, table, port = producer
+    src, progress, table, port, _ = producer
     dst, worker = consumer_worker()
     assert worker.prefetch(KEY, "127.0.0.1", [port], 300, BLOCK_SIZE)
     forward(progress, StepWrite("p-5", [5, 6, 9], 0, 300, BLOCK_SIZE, True))
@@ -170,7 +170,7 @@ def _gauges():
 
 
 def test_a_prefetch_that_is_not_the_handles_is_dropped_and_the_request_pulls(producer):
-    src, progress, table, port = producer
+    src, progress, table, port, _ = producer
     dst, worker = consumer_worker()
     assert worker.prefetch(KEY, "127.0.0.1", [port], 300, BLOCK_SIZE)
     forward(progress, StepWrite("p-6", [5, 6], 0, 200, BLOCK_SIZE, True))
@@ -188,7 +188,7 @@ def test_a_prefetch_that_is_not_the_handles_is_dropped_and_the_request_pulls(pro
 
 
 def test_prefetches_are_bounded_by_the_staging_budget(producer):
-    _, _, _, port = producer
+    _, _, _, port, _ = producer
     _, worker = consumer_worker(prefetch_mib=1)
     block_bytes = worker.plane.layout.block_bytes
     per_block = LAYERS * block_bytes
@@ -227,7 +227,7 @@ def test_staged_prefetches_nobody_takes_are_dropped_after_keep_s():
 def test_a_dropped_prefetch_ends_its_follow_at_once(producer):
     """The pull gave up on a prefetch still running (its link stalled): its connection is cut
     then, so the follow's thread and memory are not held until its own deadline."""
-    _, _, _, port = producer
+    _, _, _, port, _ = producer
     _, worker = consumer_worker()
     staged = StagedKV(KEY, LAYERS, 4, worker.plane.layout.block_bytes)
     thread, outcome = follow_in_thread(worker.client, port, staged, deadline_s=60)
@@ -237,3 +237,50 @@ def test_a_dropped_prefetch_ends_its_follow_at_once(producer):
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert outcome["error"].reason in ("connection_reset", "handshake")
+
+
+def test_a_prefill_aborted_before_it_ran_ends_its_follow(producer):
+    _, progress, _, port, _ = producer
+    _, worker = consumer_worker()
+    staged = StagedKV(KEY, LAYERS, 4, worker.plane.layout.block_bytes)
+    thread, outcome = follow_in_thread(worker.client, port, staged, deadline_s=60)
+    progress.begin_step({})
+    progress.fail(KEY, "the prefill ended without a hand-over")  # never scheduled
+    thread.join(10)
+    assert not thread.is_alive() and "without a hand-over" in str(outcome["error"])
+
+
+def test_prefetches_waiting_for_their_prefills_leave_the_pulls_their_slots(monkeypatch):
+    """A burst of queued prefills, each followed while it waits, takes every follow slot: one more
+    prefetch is refused with a reason, and the pull of a finished prefill is still served."""
+    import prefill_node.kv_server as kv_server
+
+    monkeypatch.setattr(kv_server, "MAX_PULLS", 2)
+    monkeypatch.setattr(kv_server, "MAX_FOLLOWS", 2)
+    src = caches(fill=True)
+    table, progress = ProducerTable(), WriteProgress(LAYERS)
+    plane = TcpPlane(layout(src), src)
+    server = KVServer(plane, table, lambda: b"secret", TransferStats(), progress=progress)
+    port = server.start()
+    try:
+        dst, worker = consumer_worker()
+        size = worker.plane.layout.block_bytes
+        waiting = [
+            follow_in_thread(worker.client, port, StagedKV(f"{i:032x}", LAYERS, 4, size), 30)
+            for i in range(2)
+        ]
+        assert until(lambda: server._follows._value == 0)  # both follows are waiting
+        thread, outcome = follow_in_thread(worker.client, port, StagedKV(KEY, LAYERS, 4, size))
+        thread.join(10)
+        assert "too many prefetches" in str(outcome["error"])
+        table.offer("p-7", [4], time.time() + 30)
+        spec = RecvSpec(handle(port, "p-7", [4], key="").to_params(), [4], [2], sync=True)
+        assert worker._transfer("p-7", spec)
+        for name in src:
+            assert torch.equal(dst[name][2], src[name][4])
+    finally:
+        server.close()
+        for i in range(2):
+            progress.fail(f"{i:032x}", "test over")
+        for thread, _ in waiting:
+            thread.join(10)
