@@ -123,9 +123,16 @@ def test_each_pool_lives_on_its_hosts_and_kv_crosses_the_links(cluster):
     decode_hosts = sorted(cluster.node_host(n["pid"]) for n in nodes(cluster, "decode"))
     assert decode_hosts == ["decode0", "decode1"]
     sent = total(cluster, "pdserve_kv_transfer_bytes_total", direction="sent")
+    prefetched = total(cluster, "pdserve_kv_prefetches_total", outcome="used")
     left_prefill = cluster.link_bytes("prefill", "from")
     answers = [stream(cluster, 24, f"{PROMPT} Chapter {i}.") for i in range(4)]
     assert all(a.usage["completion_tokens"] == 24 and a.finish == "length" for a in answers)
+    # each decode host followed its prefill across the link while it ran (a prefetch)
+    wait_for(
+        lambda: total(cluster, "pdserve_kv_prefetches_total", outcome="used") == prefetched + 4,
+        10,
+        "every request's KV prefetched",
+    )
     moved = total(cluster, "pdserve_kv_transfer_bytes_total", direction="sent") - sent
     assert moved > 0
     assert cluster.link_bytes("prefill", "from") - left_prefill >= moved  # over the cable
@@ -188,9 +195,10 @@ def test_the_prefill_hosts_cable_pulled_during_a_pull_recomputes_within_the_dead
     started = time.monotonic()
     try:
         thread.start()
-        wait_for(  # KV is on the wire (the prompt's first token came back long before)
-            lambda: cluster.link_bytes("prefill", "from") - before > 4 << 20, 120, "a pull"
-        )
+        # the prompt's first token is back (the prefill has ended; its KV, streamed since the
+        # prefill began, is seconds from done at this rate) and KV is on the wire
+        wait_for(lambda: result.arrivals, 120, "the first token")
+        wait_for(lambda: cluster.link_bytes("prefill", "from") - before > 4 << 20, 120, "KV")
         cluster.hosts.cut("prefill")
         thread.join(timeout=120)
     finally:
