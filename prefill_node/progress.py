@@ -140,28 +140,29 @@ class WriteProgress:
         """Yield the pieces of `key`'s prefill as they become ready, then the entry itself once
         complete (`done`) or failed (`error`). Raises TimeoutError at `deadline` (monotonic), or
         ConnectionError once `gone()` says the follower left (asked every `WAKE_S` of waiting)."""
-        read = 0
+        read, entry = 0, None
         with self._cond:
             while True:
-                entry = self._followed.get(key)
+                entry = entry or self._followed.get(key)  # kept: expiry cannot take it mid-read
                 if entry is not None and read < len(entry.pieces):
                     pieces, read = entry.pieces[read:], len(entry.pieces)
-                    self._cond.release()
+                    self._cond.release()  # never send while the engine's step may need the lock
                     try:
                         yield from pieces
                     finally:
                         self._cond.acquire()
                     continue
                 if entry is not None and (entry.error or (entry.done and entry.step is None)):
-                    self._followed.pop(key, None)
-                    yield entry
-                    return
+                    if self._followed.get(key) is entry:
+                        del self._followed[key]
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"prefill {key[:8]}… did not finish before the deadline")
                 if gone():
                     raise ConnectionError(f"the follower of {key[:8]}… left")
                 self._cond.wait(min(left, WAKE_S))
+        yield entry
 
     def followed(self) -> int:
         with self._cond:
