@@ -71,6 +71,8 @@ class RecvSpec:
     """Nothing to load (all cached here): only tell the producer to free its blocks now."""
     sync: bool = False
     """Loaded before the forward of the step that schedules the request (`load: sync`)."""
+    cached_blocks: int = 0
+    """Blocks of the handle this engine had in its own prefix cache: not pulled."""
 
 
 class ConsumerScheduler:
@@ -117,8 +119,8 @@ class ConsumerScheduler:
             return
         params[REMOTE_PREFILL] = False  # one pull per request, even if called again
         if num_external_tokens <= 0:
-            self._local_hits.pop(request.request_id, None)
-            self._release_unneeded(request.request_id, params)
+            hit = self._local_hits.pop(request.request_id, 0)
+            self._release_unneeded(request.request_id, params, hit // self.block_size)
             return
         cached, fresh = self._fresh_blocks(request, blocks, num_external_tokens)
         try:
@@ -131,18 +133,21 @@ class ConsumerScheduler:
         except HandleError as error:
             logger.warning("request %s: %s", request.request_id, error)
             remote = []
-        self._recv[request.request_id] = RecvSpec(dict(params), remote, fresh, sync=self.sync)
+        spec = RecvSpec(dict(params), remote, fresh, sync=self.sync, cached_blocks=cached)
+        self._recv[request.request_id] = spec
         if not self.sync:
             self._receiving.add(request.request_id)
 
-    def _release_unneeded(self, request_id: str, params: dict) -> None:
-        """Everything was cached here: let the producer free its blocks instead of waiting for
-        the lease (the request is not waiting for KV, so vLLM hears nothing of this)."""
+    def _release_unneeded(self, request_id: str, params: dict, cached_blocks: int = 0) -> None:
+        """Everything was cached here (`cached_blocks` of it), or the request ended before its
+        pull: let the producer free its blocks instead of waiting for the lease (the request
+        is not waiting for KV, so vLLM hears nothing of this)."""
         try:
             KVHandle.from_params(params, self.settings.peer_hosts)
         except HandleError:
             return
-        self._recv[f"release:{request_id}"] = RecvSpec(dict(params), [], [], release_only=True)
+        spec = RecvSpec(dict(params), [], [], release_only=True, cached_blocks=cached_blocks)
+        self._recv[f"release:{request_id}"] = spec
 
     def failed_pull(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """A pull that must fail (something went wrong before it could be planned): the worker
@@ -202,6 +207,7 @@ class ConsumerWorker:
         waiting = []
         for request_id, spec in pulls.items():
             if spec.release_only:
+                self.stats.blocks(0, spec.cached_blocks)
                 self._pool.submit(self._release, spec)
                 continue
             self.stats.started()
@@ -299,6 +305,7 @@ class ConsumerWorker:
                     handle, spec.remote_block_ids, spec.local_block_ids, self.tp_rank, deadline
                 )
                 self.stats.transfer("received", moved, time.monotonic() - started)
+            self.stats.blocks(len(spec.local_block_ids), spec.cached_blocks)
             failed = False
         except (TransferError, HandleError) as error:
             reason = getattr(error, "reason", "bad_handle")

@@ -53,6 +53,10 @@ class EngineConfig(_Strict):
     at the long one's expense."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prompt prefixes."""
+    block_size: int | None = Field(None, gt=0)
+    """Tokens per KV block (vLLM's `block_size`; None: vLLM's default for the device, 128 on
+    CPU). The prefix cache reuses whole blocks only: smaller blocks reuse more of a
+    conversation's history (its answers end mid-block). CPU engines take multiples of 32."""
     omp_threads: int | None = Field(None, gt=0)
     """CPU only: OMP_NUM_THREADS per engine. None: the node's CPU share."""
     seed: int = 0
@@ -125,6 +129,10 @@ class PoolConfig(_Strict):
     max_restarts: int = Field(-1, ge=-1)
     """How often Ray restarts a node whose process died (-1: always); it rejoins its pool once
     healthy. A node past its budget stays out of its pool for good."""
+    long_prefill_token_threshold: int | None = Field(None, ge=0)
+    """This pool's engines' `engine.long_prefill_token_threshold` (None: the engine section's).
+    On decode nodes a cap splits a prompt computed there (a conversation's new message whose
+    history the node holds) over steps, so each step its streams wait for is short."""
 
 
 class AutoscaleConfig(_Strict):
@@ -306,6 +314,11 @@ class RouterConfig(_Strict):
     prompt chunk can take a minute)."""
     placement: PlacementConfig = PlacementConfig()
     """Disaggregated mode: where each request's prompt is computed."""
+    prefix_aware: bool = True
+    """Route by what each node holds in its prefix cache (the router's record of which prompts
+    and outputs it sent where, router/prefixes.py): a conversation's next turn goes back to the
+    node that holds its history while that pays against the load, and placement counts only
+    the tokens a node would compute. Off: nodes by load alone, placement by whole prompts."""
     tpot_target_s: float = Field(0.1, gt=0)
     """The time per output token a decode node should stay within: the decode side of the pool
     balance in calibrated cost (predicted step time ÷ this; router/metrics/balance.py)."""

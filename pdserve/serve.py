@@ -104,13 +104,22 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
         for name, actors in pools.items()
     }
     if config.mode == "colocated":
-        return Dispatcher.colocated(built["colocated"])
-    placement = Placement(
-        config.router.placement, step_cap_tokens=config.engine.long_prefill_token_threshold
-    )
+        return Dispatcher.colocated(built["colocated"], prefix_aware=config.router.prefix_aware)
+    placement = Placement(config.router.placement, step_cap_tokens=decode_step_cap(config))
     return Dispatcher.disaggregated(
-        built["prefill"], built["decode"], config.router.prefill_fallback, placement=placement
+        built["prefill"],
+        built["decode"],
+        config.router.prefill_fallback,
+        placement=placement,
+        prefix_aware=config.router.prefix_aware,
     )
+
+
+def decode_step_cap(config: PDServeConfig) -> int:
+    """The most prompt tokens a decode node's engine computes for one request in one step (the
+    placement rule's stall estimate): the decode pool's cap, else the engines' (0: none)."""
+    cap = config.pools.decode.long_prefill_token_threshold
+    return config.engine.long_prefill_token_threshold if cap is None else cap
 
 
 def _stop_actors(actors: list) -> None:

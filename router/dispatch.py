@@ -18,7 +18,12 @@ KV the prefill node keeps for a decode leg that will not read it to the end (the
 the decode node failed) is given back at once.
 Where the decode node takes prefetches, it is asked to follow the prefill as the prefill starts
 (`prefetch`: a random key names the prefill on both nodes): the KV crosses while the prompt is
-computed, and the decode leg's pull is a local copy (decode_node/staging.py).
+computed, and the decode leg's pull is a local copy (decode_node/staging.py) — unless the decode
+node holds the prompt's start in its prefix cache: a follow streams every block, the pull after
+the prefill only those the decode node lacks.
+With `prefix_aware`, each prompt's blocks are recorded on the nodes its legs run on, and a
+request that ran to its end records its output on the node that decoded it
+(router/prefixes.py): the next turn of a conversation is routed to where its history is.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from router.errors import EngineFailed, KVTransferFailed
 from router.nodes import Node
 from router.placement import Placement
 from router.pools import Pool
+from router.prefixes import Prefix
 from router.request import PreparedRequest
 from router.routing import Route, Routing
 
@@ -52,9 +58,14 @@ class RouteObserver(Protocol):
 
 
 class Dispatcher:
-    def __init__(self, routing: Routing, observer: RouteObserver | None = None) -> None:
+    def __init__(
+        self, routing: Routing, observer: RouteObserver | None = None, prefix_aware: bool = True
+    ) -> None:
         self.routing = routing
         self.observer = observer
+        self.prefix_aware = prefix_aware
+        """Route by what each node holds of a prompt (router/prefixes.py), recording where each
+        prompt and each finished request's output went."""
         self.prefill, self.decode = routing.prefill, routing.decode
         self.mode = "colocated" if routing.prefill is None else "disaggregated"
         self.pools = {pool.name: pool for pool in (routing.prefill, routing.decode) if pool}
@@ -63,9 +74,11 @@ class Dispatcher:
         holds may be collected)."""
 
     @classmethod
-    def colocated(cls, pool: Pool, observer: RouteObserver | None = None) -> Dispatcher:
+    def colocated(
+        cls, pool: Pool, observer: RouteObserver | None = None, prefix_aware: bool = True
+    ) -> Dispatcher:
         """Over one pool of engines that prefill and decode."""
-        return cls(Routing(pool), observer)
+        return cls(Routing(pool), observer, prefix_aware)
 
     @classmethod
     def disaggregated(
@@ -75,9 +88,10 @@ class Dispatcher:
         prefill_fallback: bool,
         placement: Placement,
         observer: RouteObserver | None = None,
+        prefix_aware: bool = True,
     ) -> Dispatcher:
         """Over a prefill pool and a decode pool."""
-        return cls(Routing(decode, prefill, placement, prefill_fallback), observer)
+        return cls(Routing(decode, prefill, placement, prefill_fallback), observer, prefix_aware)
 
     @property
     def placement(self) -> Placement | None:
@@ -88,7 +102,11 @@ class Dispatcher:
 
     async def deltas(self, prepared: PreparedRequest, deadline: float) -> AsyncIterator[TokenDelta]:
         """Route the request now and run it there once."""
-        route = self.routing.route(len(prepared.prompt_token_ids), prepared.sampling_params)
+        params = prepared.sampling_params
+        prefix = (
+            Prefix(prepared.prompt_token_ids, prepared.cache_salt) if self.prefix_aware else None
+        )
+        route = self.routing.route(len(prepared.prompt_token_ids), params, prefix)
         logger.debug(
             "%s: legs %s, %s (%s)",
             prepared.request_id,
@@ -107,18 +125,31 @@ class Dispatcher:
         if self.observer is not None:
             self.observer.routed(route)
         if route.split:
-            run = self._split(route, prepared, deadline)
+            run = self._split(route, prepared, deadline, prefix)
         else:
             run = _relay(self.pools[route.pool], route.node, prepared, deadline)
+        if prefix is not None:
+            for node in filter(None, (route.prefill, route.node)):
+                node.prefixes.record(node.info, prefix)
+        output: list[int] = []
         async with aclosing(run):  # a caller leaving closes the legs now, not when collected
             async for delta in run:
+                output += delta.token_ids
                 yield delta
+        if prefix is not None and params.n == 1 and len(output) > 1:
+            # the node that ran it to its end holds its output's KV too (but the last token's:
+            # that was sampled, never computed) — what a conversation's next turn sends back
+            route.node.prefixes.record(route.node.info, prefix.extended(output[:-1]))
 
     async def _split(
-        self, route: Route, prepared: PreparedRequest, deadline: float
+        self, route: Route, prepared: PreparedRequest, deadline: float, prefix: Prefix | None
     ) -> AsyncIterator[TokenDelta]:
         sample_first = route.first_token == seam.FIRST_ON_PREFILL
-        prefetch = self._prefetch(route, len(prepared.prompt_token_ids))
+        prefetch = ""
+        if not route.node.cached_tokens(prefix):
+            # a follow streams every block; a decode node that holds the prompt's start pulls
+            # only the rest once the prefill ends
+            prefetch = self._prefetch(route, len(prepared.prompt_token_ids))
         prefill_node, first = await self._prefill(
             route.prefill, prepared, deadline, sample_first, prefetch
         )

@@ -28,7 +28,6 @@ REFUSED: dict[str, str] = {
     "chat_template": "is not accepted from requests: the model's own template is used",
     "session_id": "is not supported: streaming-input sessions run on one engine",
     "priority": "is not supported: the engines schedule first come, first served",
-    "cache_salt": "is not supported",
     "watermarking": "is not supported",
     "routed_experts_prompt_start": "is not supported: the served model has no experts",
     "reasoning_effort": "is not supported: pdserve serves no reasoning parser",

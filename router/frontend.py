@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pdserve.engine.types import CACHE_SALT_ARG
 from router.errors import InvalidRequest, ModelNotFound
 from router.fields import refused_field
 from router.request import PreparedRequest, ResponseShape
@@ -151,6 +152,9 @@ class Frontend:
         _check_wire_ints(params)
         if echo_only:
             params.max_tokens = 1  # vLLM's "echo without generation" runs one step
+        salt = request.cache_salt or None  # vLLM's own model refused an empty one
+        if salt:
+            params.extra_args = {**(params.extra_args or {}), CACHE_SALT_ARG: salt}
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         suffix = request.request_id if "request_id" in request.model_fields_set else None
         return PreparedRequest(
@@ -160,6 +164,7 @@ class Frontend:
             sampling_params=params,
             stream=bool(request.stream),
             shape=self._shape(kind, request, token_ids, echo_only),
+            cache_salt=salt,
         )
 
     def _shape(

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
 from router import clock
+from router.prefixes import NodePrefixes
 
 STATS_HISTORY = 120
 """Stats samples kept per node (two minutes at the 1 s health-check interval)."""
@@ -103,3 +104,10 @@ class Node:
     """The health check in flight, if any (one at a time per node)."""
     history: deque = field(default_factory=lambda: deque(maxlen=STATS_HISTORY))
     """(monotonic time, counters) of recent health checks: the metrics' rate windows."""
+    prefixes: NodePrefixes = field(default_factory=NodePrefixes)
+    """The prompt blocks its engine is taken to hold in its prefix cache (router/prefixes.py)."""
+
+    def cached_tokens(self, prefix: Any) -> int:
+        """Tokens at the start of `prefix` (a `router.prefixes.Prefix`) this node is taken to
+        hold; 0 without one."""
+        return self.prefixes.cached_tokens(self.info, prefix) if prefix is not None else 0

@@ -8,19 +8,24 @@
 
 Three modes (`router.placement.mode`):
 - `remote`: every prompt on a prefill node (pdserve 0.2's behaviour).
-- `threshold`: prompts of at most `threshold_tokens` tokens local, longer ones remote.
+- `threshold`: prompts of at most `threshold_tokens` tokens not cached on the decode node local,
+  longer ones remote.
 - `adaptive` (default): remote while that meets the first-token target, local when it would not
   and local would do better without stalling the decode node. From live state,
-      remote = (Qp + L) / Rp + H          local = (Qd + L) / Rd          stall = min(L, cap) / Rd
-  where L is the prompt's length, Qp / Qd the prompt tokens the router has sent the prefill
-  node it would use (router/routing.py chooses it first) / the decode node to compute and not
-  yet seen a token of, Rp / Rd
+      remote = (Qp + Lp) / Rp + H         local = (Qd + Ld) / Rd         stall = min(Ld, cap) / Rd
+  where Lp / Ld are the prompt tokens each node would compute (below), Qp / Qd the prompt
+  tokens the router has sent the prefill node it would use (router/routing.py chooses it first)
+  / the decode node to compute and not yet seen a token of, Rp / Rd
   their prefill rates in tokens/s (each engine's own prompt tokens per second of prompt compute
   over the last minute of its stats, `prefill_rate`; another node's, or
   `assumed_prefill_tokens_per_s`, before it has any), H the
   recent hand-over gap (prefill token to the decode node's first token, an exponential average of
   what the router measures), and cap the engines' `long_prefill_token_threshold` (0: none).
   The rule:
+  0. the decode node holds the prompt's start in its prefix cache (a conversation's next turn:
+     it decoded the last one), local ≤ remote and stall ≤ `stall_budget_s` → local
+     (`cached_prefix`): only the new part is computed, where the history already is, and no KV
+     crosses.
   1. remote ≤ `ttft_target_s` → remote (`remote_in_time`): the decode node's steps stay pure
      decode, which is what it is there for; the prefill pool's compute is used.
   2. otherwise (the prefill pool is backed up, typically behind a long prompt), local when local
@@ -31,7 +36,8 @@ Three modes (`router.placement.mode`):
   Measured first with "local whenever it is no slower": short prompts all moved onto the decode
   node, whose one core then both prefilled and decoded, and the steady mix's capacity fell to
   0.6× the remote mode's (results/bench/sweep/README.md).
-The router sees prompt lengths, not the engines' prefix caches: L is the whole prompt.
+Lp and Ld: the prompt less the tokens that node is taken to hold in its prefix cache
+(router/prefixes.py, the router's record of what it sent where).
 Decisions are counted in `pdserve_prefill_placements_total{where, reason}`.
 """
 
@@ -50,6 +56,7 @@ DECISIONS: dict[str, dict[str, Where]] = {
     "remote": {"mode": REMOTE},
     "threshold": {"short": LOCAL, "long": REMOTE},
     "adaptive": {
+        "cached_prefix": LOCAL,
         "remote_in_time": REMOTE,
         "prefill_backlog": LOCAL,
         "remote_faster": REMOTE,
@@ -131,34 +138,54 @@ class Placement:
     def observe_handover(self, seconds: float) -> None:
         self.handover_s += HANDOVER_WEIGHT * (seconds - self.handover_s)
 
-    def decide(self, prompt_tokens: int, decode: Node, prefill: Node) -> Decision:
+    def decide(
+        self,
+        prompt_tokens: int,
+        decode: Node,
+        prefill: Node,
+        cached_decode: int = 0,
+        cached_prefill: int = 0,
+    ) -> Decision:
         """Where to compute a prompt of `prompt_tokens` that `decode` will decode: there, or on
-        `prefill` (the prefill node the router would send it to)."""
+        `prefill` (the prefill node the router would send it to). `cached_decode` /
+        `cached_prefill`: its first tokens each node holds in its prefix cache."""
         if self.mode == "remote":
             return Decision(REMOTE, "mode")
         if self.mode == "threshold":
-            if prompt_tokens <= self.threshold_tokens:
+            if prompt_tokens - cached_decode <= self.threshold_tokens:
                 return Decision(LOCAL, "short")
             return Decision(REMOTE, "long")
-        estimate = self.estimate(prompt_tokens, decode, prefill)
+        estimate = self.estimate(prompt_tokens, decode, prefill, cached_decode, cached_prefill)
+        local_in_budget = estimate.stall_s <= self.stall_budget_s
+        if cached_decode and local_in_budget and estimate.local_ttft_s <= estimate.remote_ttft_s:
+            return Decision(LOCAL, "cached_prefix", estimate)
         if estimate.remote_ttft_s <= self.ttft_target_s:
             return Decision(REMOTE, "remote_in_time", estimate)
         if estimate.local_ttft_s >= estimate.remote_ttft_s:
             return Decision(REMOTE, "remote_faster", estimate)
-        if estimate.stall_s > self.stall_budget_s:
+        if not local_in_budget:
             return Decision(REMOTE, "stall", estimate)
         return Decision(LOCAL, "prefill_backlog", estimate)
 
-    def estimate(self, prompt_tokens: int, decode: Node, prefill: Node) -> Estimate:
-        """Both sides' time to first token and the stall, for this pair of nodes. A node that
-        has not measured its prefill rate borrows the other's, or the assumed one."""
+    def estimate(
+        self,
+        prompt_tokens: int,
+        decode: Node,
+        prefill: Node,
+        cached_decode: int = 0,
+        cached_prefill: int = 0,
+    ) -> Estimate:
+        """Both sides' time to first token and the stall, for this pair of nodes, each computing
+        what it does not hold of the prompt. A node that has not measured its prefill rate
+        borrows the other's, or the assumed one."""
         known = [rate for rate in map(prefill_rate, (decode, prefill)) if rate]
         fallback = sum(known) / len(known) if known else self.assumed_rate
         rate_d = prefill_rate(decode) or fallback
         rate_p = prefill_rate(prefill) or fallback
-        per_step = min(prompt_tokens, self.step_cap_tokens or prompt_tokens)
+        local, remote = prompt_tokens - cached_decode, prompt_tokens - cached_prefill
+        per_step = min(local, self.step_cap_tokens or local)
         return Estimate(
-            local_ttft_s=(decode.prefilling_tokens + prompt_tokens) / rate_d,
-            remote_ttft_s=(prefill.prefilling_tokens + prompt_tokens) / rate_p + self.handover_s,
+            local_ttft_s=(decode.prefilling_tokens + local) / rate_d,
+            remote_ttft_s=(prefill.prefilling_tokens + remote) / rate_p + self.handover_s,
             stall_s=per_step / rate_d,
         )

@@ -148,11 +148,16 @@ class Pool:
     def healthy_nodes(self) -> list[Node]:
         return [node for node in self.nodes if node.healthy]
 
-    def pick(self, exclude: tuple[Node, ...] = ()) -> Node:
+    def pick(self, exclude: tuple[Node, ...] = (), prefix: Any = None) -> Node:
+        """A healthy node not in `exclude`, by the pool's policy; with a `prefix`
+        (router/prefixes.py), weighing what each node holds of it."""
         candidates = [node for node in self.healthy_nodes() if node not in exclude]
         if not candidates:
             raise PoolUnavailable(f"no healthy node in the {self.name} pool")
-        return self.policy.choose(candidates)
+        if prefix is None:
+            return self.policy.choose(candidates)
+        uncached = [len(prefix) - node.cached_tokens(prefix) for node in candidates]
+        return self.policy.choose_for(candidates, uncached)
 
     def mark_failed(self, node: Node, why: str) -> None:
         if node.healthy:

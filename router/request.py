@@ -47,6 +47,9 @@ class PreparedRequest:
     stream: bool
     shape: ResponseShape = field(default_factory=ResponseShape)
     arrival: float = field(default_factory=clock.now)
+    cache_salt: str | None = None
+    """The client's `cache_salt`: its prompt shares cached blocks only with prompts of the same
+    salt (on every node that computes or loads it)."""
     internal_id: str = field(default_factory=lambda: f"pds-{uuid.uuid4().hex}")
     """pdserve's own id for the request on the nodes: its legs' vLLM request ids, so the KV
     handle's and the lease's. Made here, never from a client's field: a client's id may be long,

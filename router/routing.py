@@ -15,8 +15,10 @@ Disaggregated, in this order:
    (`one_engine`); with no healthy prefill node the decode node prefills for itself
    (`no_prefill_node`, a 503 instead with `router.prefill_fallback` off); otherwise a prefill
    node is chosen (its pool's policy) and `router/placement.py` decides local or remote for
-   that pair (its reasons: `mode`, `short`, `long`, `remote_in_time`, `prefill_backlog`,
-   `remote_faster`, `stall`).
+   that pair (its reasons: `mode`, `short`, `long`, `cached_prefix`, `remote_in_time`,
+   `prefill_backlog`, `remote_faster`, `stall`).
+With a prompt's `Prefix`, each pool's choice weighs what its nodes hold of the prompt
+(router/policies.py, `choose_for`), and placement compares the tokens each side would compute.
 Colocated: the pool's chosen node serves it whole (`colocated`).
 """
 
@@ -30,6 +32,7 @@ from router.errors import PoolUnavailable
 from router.nodes import Node
 from router.placement import DECISIONS, LOCAL, REMOTE, Estimate, Placement
 from router.pools import Pool
+from router.prefixes import Prefix
 
 WHOLE_REASONS = ("colocated", "no_decode_node", "one_token", "one_engine", "no_prefill_node")
 """Why a request runs whole on one node, outside the placement rule's own reasons."""
@@ -51,6 +54,9 @@ class Route:
     """Split: which leg samples the first token (router/seam.py)."""
     estimate: Estimate | None = None
     """An adaptive placement's numbers, for `node` and `prefill`."""
+    cached_tokens: int = 0
+    """Prompt tokens the node that computes the prompt is taken to hold in its prefix cache
+    (router/prefixes.py): what it skips."""
 
     @property
     def split(self) -> bool:
@@ -102,27 +108,34 @@ class Routing:
         if not prefill and not self.prefill_fallback:
             raise PoolUnavailable("no healthy node in the prefill pool (fallback is off)")
 
-    def route(self, prompt_tokens: int, params: Any) -> Route:
-        """Where a request of `prompt_tokens` with sampling `params` runs, now."""
+    def route(self, prompt_tokens: int, params: Any, prefix: Prefix | None = None) -> Route:
+        """Where a request of `prompt_tokens` with sampling `params` runs, now; `prefix`: the
+        prompt's blocks (router/prefixes.py), for the pools to weigh what each node holds of it
+        and placement to count only what is not cached."""
+
+        def whole(pool: Pool, reason: str, node: Node | None = None, **more: Any) -> Route:
+            node = node or pool.pick(prefix=prefix)
+            return Route(node, pool.name, reason, cached_tokens=node.cached_tokens(prefix), **more)
+
         if self.prefill is None:
-            return Route(self.decode.pick(), self.decode.name, "colocated")
+            return whole(self.decode, "colocated")
         prefill = self.prefill.healthy_nodes()
         no_decode = not self.decode.healthy_nodes()
         if prefill and (no_decode or params.max_tokens == 1):
-            reason = "no_decode_node" if no_decode else "one_token"
-            return Route(self.prefill.pick(), self.prefill.name, reason)
-        decode = self.decode.pick()
+            return whole(self.prefill, "no_decode_node" if no_decode else "one_token")
+        decode = self.decode.pick(prefix=prefix)
         first_token = seam.placement(params)
         if first_token == seam.ONE_ENGINE:
-            return Route(decode, self.decode.name, "one_engine")
+            return whole(self.decode, "one_engine", decode)
         if not prefill:
             if not self.prefill_fallback:
                 raise PoolUnavailable("no healthy node in the prefill pool")
-            return Route(decode, self.decode.name, "no_prefill_node")
-        target = self.prefill.pick()
-        decision = self.placement.decide(prompt_tokens, decode, target)
+            return whole(self.decode, "no_prefill_node", decode)
+        target = self.prefill.pick(prefix=prefix)
+        cached_d, cached_p = decode.cached_tokens(prefix), target.cached_tokens(prefix)
+        decision = self.placement.decide(prompt_tokens, decode, target, cached_d, cached_p)
         if decision.where == LOCAL:
-            return Route(decode, self.decode.name, decision.reason, estimate=decision.estimate)
+            return whole(self.decode, decision.reason, decode, estimate=decision.estimate)
         return Route(
             decode,
             self.decode.name,
@@ -130,4 +143,5 @@ class Routing:
             prefill=target,
             first_token=first_token,
             estimate=decision.estimate,
+            cached_tokens=cached_p,
         )

@@ -157,6 +157,59 @@ ROWS: list[tuple[str, list[Panel]]] = [
         ],
     ),
     (
+        "Prefix cache: hits per pool and KV not sent",
+        [
+            Panel(
+                "Prefix cache hits (share of prompt tokens)",
+                [
+                    (
+                        'sum by (pool) (rate(pdserve_node_prompt_tokens_total{source="cached"}'
+                        f"[{RATE}])) / sum by (pool) (rate(pdserve_node_prompt_tokens_total"
+                        f'{{source=~"cached|computed"}}[{RATE}]))',
+                        "{{pool}}",
+                    )
+                ],
+                unit="percentunit",
+                description="Of the prompt tokens each pool's engines ran, the share found in "
+                "their own prefix cache (tokens loaded by a hand-over are not counted).",
+            ),
+            Panel(
+                "Cached prompt tokens: the router's record against the engines'",
+                [
+                    (
+                        "sum by (pool) "
+                        f"(rate(pdserve_prefix_expected_cached_tokens_total[{RATE}]))",
+                        "{{pool}} expected by the router",
+                    ),
+                    (
+                        'sum by (pool) (rate(pdserve_node_prompt_tokens_total{source="cached"}'
+                        f"[{RATE}]))",
+                        "{{pool}} found by the engines",
+                    ),
+                ],
+                unit="short",
+                description="Tokens/s. The router routes by its record of what each node holds "
+                "(router/prefixes.py); the gap between the lines is that record's error.",
+            ),
+            Panel(
+                "KV not sent: hand-over blocks already cached at the decode node",
+                [
+                    (
+                        'sum(rate(pdserve_kv_handover_blocks_total{outcome="cached"}'
+                        f"[{RATE}])) * sum(rate(pdserve_kv_transfer_bytes_total"
+                        f'{{direction="received"}}[{RATE}])) / sum(rate('
+                        f'pdserve_kv_handover_blocks_total{{outcome="received"}}[{RATE}]))',
+                        "bytes saved",
+                    ),
+                    ("pdserve:kv_transfer_bytes:rate1m", "bytes sent"),
+                ],
+                unit="Bps",
+                description="Blocks of handed-over prompts the decode node held already, at "
+                "the bytes per block the transfers measured: what did not cross the link.",
+            ),
+        ],
+    ),
+    (
         "Latency and outcomes",
         [
             Panel(

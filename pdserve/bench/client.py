@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -72,26 +72,41 @@ async def send(
         "stream_options": {"include_usage": True},
         **(extra_body or {}),
     }
+    await stream_into(http, body, record, start, timeout_s)
+    return record
+
+
+async def stream_into(
+    http: httpx.AsyncClient,
+    body: dict,
+    record: RequestRecord,
+    start: float,
+    timeout_s: float,
+    on_event: Callable[[dict], None] | None = None,
+) -> None:
+    """POST a streamed completion and fold its events into `record` (an error, if any, goes
+    there too); `on_event` sees each event as well."""
     try:
         async with asyncio.timeout(timeout_s):
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     record.error = f"HTTP {response.status_code}: {text[:200]}"
-                    return record
+                    return
                 async for line in response.aiter_lines():
                     event = parse_sse_line(line)
                     if event == DONE:
                         break
                     if isinstance(event, dict):
                         apply_event(record, event, time.monotonic() - start)
+                        if on_event is not None:
+                            on_event(event)
         if record.error is None:
             record.end_s = time.monotonic() - start
     except TimeoutError:
         record.error = f"timeout after {timeout_s:.0f} s"
     except (httpx.HTTPError, ValueError) as error:
         record.error = f"{type(error).__name__}: {error}"
-    return record
 
 
 async def run_load(

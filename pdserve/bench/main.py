@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench import compare
+from pdserve.bench import conversations as conv
 from pdserve.bench import sweep as sweep_
 from pdserve.bench.client import run_load, served_model
 from pdserve.bench.report import markdown_table, plot, read_records, write_json
@@ -101,6 +102,37 @@ def add_parser(commands) -> None:
     )
     sweep.add_argument("--out", default="bench-sweep", help="folder for the report")
     sweep.set_defaults(func=cmd_sweep)
+    chat = sub.add_parser(
+        "multiturn",
+        help="conversations that come back with their history: pdserve against plain vLLM",
+        description="Start each system in turn on this machine's two cores (pdserve 1P1D as "
+        "configured, pdserve 1P1D with router.prefix_aware=false, plain vLLM's OpenAI server "
+        "with its default prefix caching), run the same conversations against each (a shared "
+        "system prompt, then turns of a user message and the model's answer, each turn sending "
+        "the whole history, with think time between turns), and report TTFT per turn and over "
+        "turns >= 2, inter-token latency, and for pdserve what crossed between the pools. "
+        "Writes results.json, records.jsonl and results.md.",
+    )
+    chat.add_argument("--systems", nargs="+", default=list(conv.SYSTEMS), choices=conv.SYSTEMS)
+    chat.add_argument("--conversations", type=int, default=12)
+    chat.add_argument("--turns", type=int, default=6)
+    chat.add_argument("--system-tokens", type=int, default=128, help="shared system prompt")
+    chat.add_argument("--message-tokens", type=int, default=128, help="each user message")
+    chat.add_argument("--output-tokens", type=int, default=64, help="each answer")
+    chat.add_argument("--think-s", type=float, default=2.0, help="pause between turns")
+    chat.add_argument("--start-every-s", type=float, default=1.0, help="between conversations")
+    chat.add_argument("--timeout-s", type=float, default=300.0, help="per turn")
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the pdserve systems' config (repeatable)",
+    )
+    chat.add_argument("--out", default="bench-multiturn", help="folder for the report")
+    chat.set_defaults(func=cmd_multiturn)
     again = sub.add_parser(
         "report",
         help="recompute a report folder's figures, tables and plots from its records",
@@ -367,6 +399,61 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(report)
     print(f"wrote {out}/: results.json, records.jsonl, results.md, {figure.name}")
     return 0
+
+
+@_checked
+def cmd_multiturn(args: argparse.Namespace) -> int:
+    _quiet()
+    counts = (args.conversations, args.turns, args.message_tokens, args.output_tokens)
+    if min(counts) <= 0 or args.system_tokens < 0 or min(args.think_s, args.start_every_s) < 0:
+        raise BenchError("conversations, turns, message and output tokens must be positive")
+    workload = conv.Conversations(
+        args.conversations, args.turns, args.system_tokens, args.message_tokens,
+        args.output_tokens, args.think_s, args.start_every_s, args.seed,
+    )  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict = {}
+    records: dict[str, list[RequestRecord]] = {}
+    for system in args.systems:
+        work = compare.scratch(out, system)
+        overrides = [*args.overrides, *(["router.prefix_aware=false"] if system == "blind" else [])]
+        logger.info("starting %s", system)
+        with _system("vllm" if system == "vllm" else "adaptive", work, overrides) as url:
+            model = asyncio.run(served_model(url))
+            warm = conv.Conversations(2, 2, 16, 16, 8, 0.0, 0.0, args.seed + 1)
+            asyncio.run(conv.run_conversations(url, warm, model, args.timeout_s))
+
+            def metrics(url: str = url, system: str = system) -> dict:
+                if system == "vllm":
+                    return {}
+                return conv.crossing(httpx.get(f"{url}/metrics", timeout=10).text)
+
+            before = metrics()
+            got = asyncio.run(conv.run_conversations(url, workload, model, args.timeout_s))
+            runs[system] = conv.summary(got, args.turns)
+            if system != "vllm":
+                runs[system]["crossing"] = conv.difference(metrics(), before)
+            records[system] = got
+    results = {
+        "settings": {
+            key: getattr(args, key)
+            for key in "systems conversations turns system_tokens message_tokens output_tokens "
+            "think_s start_every_s seed overrides".split()
+        },
+        "machine": _machine(),
+        "fairness": "pdserve: prefill engine on core 0 + decode engine on core 1, one thread "
+        "each; vllm: one engine with two threads on cores 0-1; same engine settings, prefix "
+        "caching on in all; the same conversations; fresh server per system.",
+        "runs": runs,
+        "kv_bytes_per_token": conv.kv_bytes_per_token(),
+    }
+    write_json(out, results, records)
+    text = conv.text(results)
+    (out / "results.md").write_text(text)
+    print(text)
+    print(f"wrote {out}/: results.json, records.jsonl, results.md")
+    return 0 if all(not run["errors"] for run in runs.values()) else 1
 
 
 def _system(system: str, work: Path, overrides: list[str]):

@@ -27,7 +27,14 @@ import ray
 
 from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
-from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, RequestRejected, TokenDelta
+from pdserve.engine.types import (
+    CACHE_SALT_ARG,
+    EngineDown,
+    NodeInfo,
+    NodeStats,
+    RequestRejected,
+    TokenDelta,
+)
 from pdserve.kv.stats import KVGauges
 from pdserve.roofline.live import resolve_peaks
 from pdserve.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
@@ -102,6 +109,8 @@ def engine_kwargs(
         kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
     if engine.long_prefill_token_threshold:
         kwargs["long_prefill_token_threshold"] = engine.long_prefill_token_threshold
+    if engine.block_size:
+        kwargs["block_size"] = engine.block_size
     if kv_transfer:
         from pdserve.kv.worker_extension import QUALNAME
 
@@ -162,6 +171,7 @@ class EngineActor:
             ray_node_id=ray.get_runtime_context().get_node_id(),
             max_model_len=vllm_config.model_config.max_model_len,
             block_size=vllm_config.cache_config.block_size,
+            num_blocks=vllm_config.cache_config.num_gpu_blocks or 0,
             start_s=round(time.monotonic() - started, 2),
             **await self._kv_endpoint(),
         )
@@ -229,6 +239,9 @@ class EngineActor:
             raise EngineDown(f"{self._name} has no engine (it is starting)")
         sampling_params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": prompt_token_ids}
+        salt = (sampling_params.extra_args or {}).pop(CACHE_SALT_ARG, None)
+        if salt:  # the prompt shares cached blocks only with prompts of the same salt
+            prompt["cache_salt"] = salt
         self._stats.requests_started_total += 1
         context = 0  # this request's tokens counted in the decode context (once it decodes)
         first = True
@@ -348,6 +361,10 @@ def create_engine_actor(
     """Place one engine actor (`actor_class`: EngineActor or a role's subclass) with the pool's
     Ray resources and restart budget; call `.start.remote()` next."""
     env = engine_env(engine, pool, replica)
+    if pool.long_prefill_token_threshold is not None:
+        engine = engine.model_copy(
+            update={"long_prefill_token_threshold": pool.long_prefill_token_threshold}
+        )
     peaks = {
         "device": engine.device,
         "flops": engine.peak_flops,

@@ -18,6 +18,10 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 
 
 STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+CACHE_SALT_ARG = "pdserve_cache_salt"
+"""Where a request's `cache_salt` travels to every leg: the `SamplingParams.extra_args` key the
+router sets and each node moves onto the prompt it gives vLLM (clients cannot set extra_args:
+`vllm_xargs` is refused)."""
 """The columns of a per-step record (`EngineActor.step_records`, GET /pdserve/v1/steps)."""
 
 
@@ -65,6 +69,8 @@ class NodeInfo:
     kv_ports: tuple[int, ...] = ()
     prefetch: bool = False
     """Its consumer half stages KV from prefills still running (decode_node/staging.py)."""
+    num_blocks: int = 0
+    """KV blocks its engine has (0: not reported): the most its prefix cache can hold."""
 
 
 class RequestRejected(ValueError):

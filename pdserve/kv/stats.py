@@ -40,6 +40,10 @@ class KVCounters:
     """Offers whose lease ended before a completed pull (their blocks were freed)."""
     releases: int = 0
     """Handles a consumer gave back unread because it had every block cached."""
+    blocks_received: int = 0
+    """Blocks a consumer loaded from a producer (pulled, or copied from a prefetch)."""
+    blocks_cached: int = 0
+    """Blocks of handed-over prompts a consumer had in its own prefix cache: not loaded."""
     prefetches_used: int = 0
     """Pulls served from KV streamed while the prefill ran (decode_node/staging.py)."""
     prefetches_missed: int = 0
@@ -137,6 +141,12 @@ class TransferStats:
                 self._counters.prefetches_used += 1
             else:
                 self._counters.prefetches_missed += 1
+
+    def blocks(self, received: int, cached: int) -> None:
+        """A hand-over loaded `received` blocks and found `cached` in this engine's cache."""
+        with self._lock:
+            self._counters.blocks_received += received
+            self._counters.blocks_cached += cached
 
     def released(self) -> None:
         with self._lock:

@@ -374,7 +374,9 @@ class Simulator:
         prepared = PreparedRequest(
             f"sim-{request.index}",
             "completion",
-            [0] * request.prompt_tokens,
+            # prompts of their own: the simulated engines keep no prefix cache, so no prompt
+            # shares blocks with another one (router/prefixes.py would count them)
+            [request.index + 1] + [0] * (request.prompt_tokens - 1),
             _Sampling(request.output_tokens),
             stream=True,
         )

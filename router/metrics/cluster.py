@@ -170,6 +170,12 @@ class _NodeFamilies:
         self.kv_transfers = counter(
             "pdserve_kv_transfers", "Finished KV transfers.", ("direction",)
         )
+        self.kv_blocks = counter(
+            "pdserve_kv_handover_blocks",
+            "Blocks of handed-over prompts at decode nodes: received from the prefill node, or "
+            "already cached there (not sent).",
+            ("outcome",),
+        )
         self.kv_in_flight = gauge("pdserve_kv_transfers_in_flight", "KV pulls in progress.")
         self.kv_failures = counter(
             "pdserve_kv_transfer_failures", "Failed KV pulls by reason.", ("reason",)
@@ -271,6 +277,8 @@ class _NodeFamilies:
             self.kv_transfers.add_metric(labels, transfers)
         for reason in FAILURE_REASONS:
             self.kv_failures.add_metric([*key, reason], counters.failures.get(reason, 0))
+        self.kv_blocks.add_metric([*key, "received"], counters.blocks_received)
+        self.kv_blocks.add_metric([*key, "cached"], counters.blocks_cached)
         self.kv_in_flight.add_metric(key, gauges.in_flight)
         self.kv_expired.add_metric(key, counters.leases_expired)
         self.kv_held.add_metric(key, gauges.blocks_held)

@@ -89,6 +89,14 @@ class RouterMetrics:
             ["where", "reason"],
             registry=r,
         )
+        self.expected_cached = Counter(
+            "pdserve_prefix_expected_cached_tokens",
+            "Prompt tokens the router expected the node computing each prompt to hold in its "
+            "prefix cache (router/prefixes.py); against pdserve_node_prompt_tokens_total"
+            "{source=\"cached\"}, the engines' own count, it shows the record's error.",
+            ["pool"],
+            registry=r,
+        )
         self.handover_gap = Histogram(
             "pdserve_handover_gap_seconds",
             "Remote prefills: the prefill's end (its token) to the decode node's first token.",
@@ -122,6 +130,7 @@ class RouterMetrics:
         for pool in pools:
             self.retries.labels(pool=pool)
             self.resumes.labels(pool=pool)
+            self.expected_cached.labels(pool=pool)
         r.register(PoolCollector(pools, window_s, tpot_target_s))
 
     def watch_autoscale(self, scaler: Any) -> None:
@@ -146,6 +155,8 @@ class RouterMetrics:
         """One request's route (router/routing.py `Route`), counted per leg and by reason."""
         for pool, node in route.legs():
             self.routed_legs.labels(pool=pool, node=node).inc()
+        computing = route.legs()[0][0]  # the prefill leg's pool, or the whole request's
+        self.expected_cached.labels(pool=computing).inc(route.cached_tokens)
         if route.reason == "no_prefill_node":
             self.fallbacks.inc()
         elif route.reason == "no_decode_node":

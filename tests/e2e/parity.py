@@ -113,6 +113,11 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
             "completion",
             {"prompt": long_prompt[:300], "max_tokens": 4, "temperature": 0},
         ),
+        Case(  # the same prompt under a tenant's salt: none of the blocks above are shared
+            "cache-salt",
+            "completion",
+            {"prompt": long_prompt[:300], "max_tokens": 4, "temperature": 0, "cache_salt": "b"},
+        ),
         chat("tools", max_tokens=8, tools=[_TOOL], tool_choice="auto"),
     ]
     if full:

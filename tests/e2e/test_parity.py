@@ -57,7 +57,6 @@ def _serve(system: str, model_dir, work):
 REFUSED = (
     ("kv_transfer_params", '{"do_remote_prefill": true, "remote_num_tokens": 1e400}'),
     ("vllm_xargs", '{"x": 1}'),
-    ("cache_salt", '"salt"'),
     ("priority", "3"),
 )
 """Fields plain vLLM accepts and pdserve refuses with a 400 naming them (router/fields.py)."""

@@ -274,3 +274,54 @@ def test_sweep_configs_set_the_placement_and_the_overrides(tmp_path):
         pdserve_config("remote", REPO, tmp_path, ["router.placement.mode=both"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         pdserve_config("remote", REPO, tmp_path, ["engine"])
+
+
+async def test_a_conversation_sends_its_whole_history_back_each_turn():
+    """`pdserve bench multiturn`'s client against a stand-in server: each turn's prompt is the
+    last turn's prompt, the answer's token ids as returned, and the next message."""
+    import httpx
+
+    from pdserve.bench import conversations as conv
+
+    prompts: list[list[int]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        prompts.append(body["prompt"])
+        assert body["return_token_ids"] and body["stream"]
+        answer = [len(prompts) * 10 + i for i in range(body["max_tokens"])]
+        events = [{"choices": [{"text": "x", "token_ids": [t]}]} for t in answer]
+        events.append({"choices": [], "usage": {"completion_tokens": len(answer)}})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    workload = conv.Conversations(1, 3, 8, 5, 4, 0.0, 0.0)
+    records = await conv.run_conversations(
+        "http://bench", workload, "m", transport=httpx.MockTransport(server)
+    )
+    system, (messages,) = workload.messages()
+    assert prompts[0] == system + messages[0]
+    assert prompts[1] == prompts[0] + [10, 11, 12, 13] + messages[1]
+    assert prompts[2] == prompts[1] + [20, 21, 22, 23] + messages[2]
+    assert [r.kind for r in records] == ["turn1", "turn2", "turn3"] and all(r.ok for r in records)
+    summary = conv.summary(records, 3)
+    assert summary["errors"] == 0 and len(summary["ttft_p50_by_turn_s"]) == 3
+    assert summary["mean_prompt_tokens_later"] == (len(prompts[1]) + len(prompts[2])) / 2
+
+
+def test_what_crossed_is_read_from_the_routers_metrics():
+    from pdserve.bench import conversations as conv
+
+    def text(received: float, cached: float) -> str:
+        return (
+            "# TYPE pdserve_kv_transfer_bytes counter\n"
+            'pdserve_kv_transfer_bytes_total{pool="decode",node="d0",direction="received"} '
+            f"{received}\n"
+            'pdserve_kv_transfer_bytes_total{pool="prefill",node="p0",direction="sent"} 99\n'
+            "# TYPE pdserve_kv_handover_blocks counter\n"
+            'pdserve_kv_handover_blocks_total{pool="decode",node="d0",outcome="cached"} '
+            f"{cached}\n"
+        )
+
+    moved = conv.difference(conv.crossing(text(300, 7)), conv.crossing(text(100, 2)))
+    assert moved == {"kv_transfer_bytes/received": 200, "kv_handover_blocks/cached": 5}

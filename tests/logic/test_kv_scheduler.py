@@ -82,6 +82,7 @@ def test_consumer_loads_what_the_producer_computed_minus_local_hits():
     s.update_state_after_alloc(req, Blocks([3, 7, 8], fresh=[7, 8]), 172)
     spec = s.take_pulls()["d-1"]
     assert spec.remote_block_ids == [11, 12] and spec.local_block_ids == [7, 8]
+    assert spec.cached_blocks == 1  # counted as KV that did not cross
     assert req.kv_transfer_params["do_remote_prefill"] is False
     s.update_state_after_alloc(req, Blocks([3, 7, 8], fresh=[7, 8]), 172)  # second call: no-op
     assert not s.take_pulls()
@@ -127,9 +128,11 @@ def test_consumer_with_everything_cached_loads_nothing():
 def test_consumer_with_everything_cached_gives_the_handle_back():
     s = consumer()
     req = request("d-6", 257, handle_params([1, 2, 3], 256))
+    assert s.get_num_new_matched_tokens(req, 256) == (0, False)
     s.update_state_after_alloc(req, Blocks([4, 5], fresh=[]), 0)
     pulls = s.take_pulls()
     assert list(pulls) == ["release:d-6"] and pulls["release:d-6"].release_only
+    assert pulls["release:d-6"].cached_blocks == 2
     assert not s.is_receiving("d-6")
 
 

@@ -79,7 +79,7 @@ def test_ties_are_shared_round_robin():
 
 def test_power_of_two_never_picks_the_most_loaded_of_three():
     pool = nodes((0, 0), (1, 0), (9, 0))
-    policy = PowerOfTwo(decode_load, random.Random(1))
+    policy = PowerOfTwo(decode_load, rng=random.Random(1))
     assert "n2" not in {policy.choose(pool).name for _ in range(200)}
     assert policy.choose(pool[:1]).name == "n0"
 

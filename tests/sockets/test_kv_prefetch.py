@@ -153,7 +153,7 @@ def test_the_pull_is_served_from_the_prefetch_and_releases_the_lease(producer):
     forward(progress, StepWrite("p-5", [5, 6, 9], 0, 300, BLOCK_SIZE, True))
     table.offer("p-5", [5, 6, 9], time.time() + 30)
     held = handle(port, "p-5", [5, 6, 9])
-    spec = RecvSpec(held.to_params(), [6, 9], [0, 1], sync=True)  # block 5 was cached here
+    spec = RecvSpec(held.to_params(), [6, 9], [0, 1], sync=True, cached_blocks=1)  # 5: cached
     assert worker._transfer("p-5", spec)
     for name in src:
         assert torch.equal(dst[name][[0, 1]], src[name][[6, 9]])
@@ -161,6 +161,7 @@ def test_the_pull_is_served_from_the_prefetch_and_releases_the_lease(producer):
     counters = worker.stats.snapshot(_gauges())["counters"]
     assert counters["prefetches_used"] == 1 and counters["transfers_received"] == 1
     assert counters["releases"] == 0  # the lease ended by a read, not given back unread
+    assert (counters["blocks_received"], counters["blocks_cached"]) == (2, 1)
 
 
 def _gauges():
