@@ -124,8 +124,9 @@ class Dispatcher:
             )
         if self.observer is not None:
             self.observer.routed(route)
-        if route.split:
-            run = self._split(route, prepared, deadline, prefix)
+        if route.split:  # before the record below says it holds this very prompt
+            held = route.node.cached_tokens(prefix)
+            run = self._split(route, prepared, deadline, held)
         else:
             run = _relay(self.pools[route.pool], route.node, prepared, deadline)
         if prefix is not None:
@@ -142,11 +143,12 @@ class Dispatcher:
             route.node.prefixes.record(route.node.info, prefix.extended(output[:-1]))
 
     async def _split(
-        self, route: Route, prepared: PreparedRequest, deadline: float, prefix: Prefix | None
+        self, route: Route, prepared: PreparedRequest, deadline: float, held: int = 0
     ) -> AsyncIterator[TokenDelta]:
+        """`held`: the prompt's tokens the decode node is taken to hold in its prefix cache."""
         sample_first = route.first_token == seam.FIRST_ON_PREFILL
         prefetch = ""
-        if not route.node.cached_tokens(prefix):
+        if not held:
             # a follow streams every block; a decode node that holds the prompt's start pulls
             # only the rest once the prefill ends
             prefetch = self._prefetch(route, len(prepared.prompt_token_ids))

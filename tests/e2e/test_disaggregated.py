@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -165,7 +166,9 @@ def test_the_kv_crosses_while_the_prefill_runs(client, server, corpus_text):
 
     used, missed = prefetches("used"), prefetches("missed")
     for words in (40, 400):  # one chunk, and a prompt of several blocks
-        prompt = " ".join(corpus_text.split()[:words])
+        # a prompt no node has seen: a decode node that holds a prompt's start is not asked to
+        # prefetch (it pulls only the blocks it lacks, router/dispatch.py)
+        prompt = f"{secrets.token_hex(8)} " + " ".join(corpus_text.split()[:words])
         answer = client.completions.create(
             model=server.model, prompt=prompt, max_tokens=3, temperature=0
         )

@@ -198,3 +198,26 @@ def test_the_stall_estimate_reads_the_decode_pools_own_cap():
         }
     )
     assert decode_step_cap(config) == 64
+
+
+async def test_a_prompt_the_decode_node_lacks_is_prefetched_its_next_turn_is_not():
+    import asyncio
+
+    from router.request import PreparedRequest
+
+    p, d = FakeNode("p0"), FakeNode("d0")
+    dispatcher = disaggregated([p], [d], placement=placement_rule("remote"))
+    prefill_node, decode_node = dispatcher.prefill.nodes[0], dispatcher.decode.nodes[0]
+    prefill_node.info = replace(prefill_node.info, kv_host="127.9.0.1", kv_ports=(7100,))
+    decode_node.info = replace(decode_node.info, prefetch=True)
+    first = list(range(1, 301))  # two full blocks no node has seen
+    ask = PreparedRequest("cmpl-t", "completion", first, sampling(max_tokens=4), True)
+    answer = tokens(await collect(dispatcher, ask))
+    await asyncio.sleep(0)
+    assert len(d.prefetches) == 1  # the KV crosses while the prompt is computed
+    second = conversation_turn(first + answer, 40)
+    ask = PreparedRequest("cmpl-t", "completion", second, sampling(max_tokens=4), True)
+    await collect(dispatcher, ask)
+    await asyncio.sleep(0)
+    assert len(d.prefetches) == 1  # it holds the history: the pull takes only what it lacks
+    assert len(p.calls) == 2 and all(c.method == "prefill" for c in p.calls)
