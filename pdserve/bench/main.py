@@ -92,14 +92,7 @@ def add_parser(commands) -> None:
     sweep.add_argument(
         "--max-gap-slo-s", type=float, default=0.25, help="smooth streaming: longest gap"
     )
-    sweep.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="change the pdserve systems' config, e.g. --set kv_transfer.load=async (repeatable)",
-    )
+    _add_overrides(sweep)
     sweep.add_argument("--out", default="bench-sweep", help="folder for the report")
     sweep.set_defaults(func=cmd_sweep)
     chat = sub.add_parser(
@@ -123,14 +116,7 @@ def add_parser(commands) -> None:
     chat.add_argument("--start-every-s", type=float, default=1.0, help="between conversations")
     chat.add_argument("--timeout-s", type=float, default=300.0, help="per turn")
     chat.add_argument("--seed", type=int, default=0)
-    chat.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="change the pdserve systems' config (repeatable)",
-    )
+    _add_overrides(chat)
     chat.add_argument("--out", default="bench-multiturn", help="folder for the report")
     chat.set_defaults(func=cmd_multiturn)
     again = sub.add_parser(
@@ -144,6 +130,17 @@ def add_parser(commands) -> None:
     again.add_argument("--ttft-slo-s", type=float, help="default: the run's")
     again.add_argument("--tpot-slo-s", type=float, help="default: the run's")
     again.set_defaults(func=cmd_report)
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the pdserve systems' config, e.g. --set kv_transfer.load=async (repeatable)",
+    )
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
