@@ -81,6 +81,8 @@ def _body(request: pb.GenerateRequest) -> tuple[str, dict[str, Any]]:
         body["include_stop_str_in_output"] = True
     if options.logit_bias:
         body["logit_bias"] = {str(k): v for k, v in options.logit_bias.items()}
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt
     if options.HasField("structured_output"):
         body["structured_outputs"] = _structured(options.structured_output)
     which = request.WhichOneof("input")
@@ -145,12 +147,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         except RequestError as error:
             await context.abort(_status(error), error.message)
         completion: dict[int, int] = {}
+        cached: int | None = None
         prompt_tokens = len(admitted.prepared.prompt_token_ids)
         try:
             async with aclosing(self.service.stream(admitted)) as deltas:
                 async for delta in deltas:
                     count = completion.get(delta.index, 0) + len(delta.token_ids)
                     completion[delta.index] = count
+                    if cached is None and delta.num_cached_tokens is not None:
+                        cached = delta.num_cached_tokens
                     reply = pb.GenerateResponse(
                         token_ids=delta.token_ids,
                         text=delta.text,
@@ -161,6 +166,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                         reply.finish_reason = delta.finish_reason
                         reply.usage.prompt_tokens = prompt_tokens
                         reply.usage.completion_tokens = count
+                        reply.usage.cached_tokens = cached or 0
                     yield reply
         except RequestError as error:
             await context.abort(_status(error), error.message)

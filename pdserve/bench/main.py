@@ -74,7 +74,8 @@ def add_parser(commands) -> None:
         "the same requests for every system), and report SLO attainment per rate under two SLOs "
         "(DistServe's: TTFT and TPOT; smooth streaming: TTFT and the longest gap between "
         "tokens), goodput, TTFT / ITL percentiles, and each system's highest rate at >= 90 % "
-        "attainment. Writes results.json, records.jsonl, results.md and attainment.png.",
+        "attainment. `blind` is adaptive with router.prefix_aware=false. Writes results.json, "
+        "records.jsonl, results.md and attainment.png.",
     )
     sweep.add_argument(
         "--systems", nargs="+", default=["adaptive", "colocated", "vllm"], choices=sweep_.SYSTEMS
@@ -414,9 +415,8 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
     records: dict[str, list[RequestRecord]] = {}
     for system in args.systems:
         work = compare.scratch(out, system)
-        overrides = [*args.overrides, *(["router.prefix_aware=false"] if system == "blind" else [])]
         logger.info("starting %s", system)
-        with _system("vllm" if system == "vllm" else "adaptive", work, overrides) as url:
+        with _system({"pdserve": "adaptive"}.get(system, system), work, args.overrides) as url:
             model = asyncio.run(served_model(url))
             warm = conv.Conversations(2, 2, 16, 16, 8, 0.0, 0.0, args.seed + 1)
             asyncio.run(conv.run_conversations(url, warm, model, args.timeout_s))

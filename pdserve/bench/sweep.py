@@ -33,12 +33,13 @@ from pdserve.bench.workload import Workload, build_requests
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("adaptive", "remote", "colocated", "vllm")
+SYSTEMS = ("adaptive", "blind", "remote", "colocated", "vllm")
 MIXES = {
     "interference": Workload("interference", 64, 128, long_prompt_len=1536, long_output_len=16),
     "steady": Workload("fixed", 128, 64),
 }
 ATTAINMENT_GOAL = 0.9
+READINGS = ("strict", "lenient")
 
 
 @dataclass(frozen=True)
@@ -70,21 +71,36 @@ def attainment(records: Sequence[RequestRecord], slo: Slo) -> float | None:
     return sum(slo.met(r) for r in steady) / len(steady) if steady else None
 
 
-def highest_rate(points: Sequence[tuple[float, float]], goal: float = ATTAINMENT_GOAL) -> dict:
-    """The highest rate at which attainment stays ≥ `goal`, from (rate, attainment) points: the
-    last rate before attainment first falls below the goal, interpolated linearly to where it
-    crosses. `bound` says whether the figure is exact ("="), below the lowest rate tried ("<"),
-    or at least the highest ("≥")."""
+def highest_rate(
+    points: Sequence[tuple[float, float]], goal: float = ATTAINMENT_GOAL, reading: str = "strict"
+) -> dict:
+    """The highest rate at which attainment stays ≥ `goal`, from (rate, attainment) points,
+    interpolated linearly to where it crosses the goal. Two readings, which differ only where
+    attainment dips below the goal and comes back at a higher rate:
+
+    - "strict" (DistServe's): up to the first crossing: the last rate before attainment first
+      falls below the goal;
+    - "lenient": up to the last crossing: the highest rate tried whose attainment is ≥ the goal.
+
+    `bound` says whether the figure is exact ("="), below the lowest rate tried ("<"), or at
+    least the highest ("≥")."""
+    if reading not in READINGS:
+        raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
     points = sorted(points)
     if not points:
         return {"rate": None, "bound": None}
-    if points[0][1] < goal:
+    met = [index for index, (_, a) in enumerate(points) if a >= goal]
+    if not met or (met[0] != 0 and reading == "strict"):
         return {"rate": points[0][0], "bound": "<"}
-    for (r0, a0), (r1, a1) in zip(points, points[1:], strict=False):
-        if a1 < goal:
-            rate = r0 + (r1 - r0) * (a0 - goal) / (a0 - a1) if a0 != a1 else r0
-            return {"rate": rate, "bound": "="}
-    return {"rate": points[-1][0], "bound": "≥"}
+    if reading == "strict":
+        last = next((i - 1 for i in range(len(points)) if points[i][1] < goal), len(points) - 1)
+    else:
+        last = met[-1]
+    if last == len(points) - 1:
+        return {"rate": points[-1][0], "bound": "≥"}
+    (r0, a0), (r1, a1) = points[last], points[last + 1]
+    rate = r0 + (r1 - r0) * (a0 - goal) / (a0 - a1) if a0 != a1 else r0
+    return {"rate": rate, "bound": "="}
 
 
 def point_summary(records: Sequence[RequestRecord], duration_s: float, slos: Sequence[Slo]) -> dict:
@@ -102,7 +118,8 @@ def point_summary(records: Sequence[RequestRecord], duration_s: float, slos: Seq
 
 
 def headline(results: dict, slos: Sequence[Slo]) -> dict:
-    """Per mix and SLO: each system's highest rate at ≥ 90 % attainment."""
+    """Per mix and SLO: each system's highest rate at ≥ 90 % attainment, in both readings
+    ({"strict": …, "lenient": …}, see `highest_rate`)."""
     out: dict = {}
     for mix, systems in results["points"].items():
         for slo in slos:
@@ -113,17 +130,21 @@ def headline(results: dict, slos: Sequence[Slo]) -> dict:
                     for rate, p in points.items()
                     if p["attainment"][slo.name] is not None
                 ]
-                row[system] = highest_rate(pairs)
+                row[system] = {how: highest_rate(pairs, reading=how) for how in READINGS}
     return out
 
 
 def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str] = ()) -> Path:
     """The config file a pdserve system serves with: the repo's, with the placement mode set and
-    `overrides` ("dotted.key=YAML value") applied."""
+    `overrides` ("dotted.key=YAML value") applied. `blind` is `adaptive` without prefix-aware
+    routing."""
     name = "local-cpu-colocated.yaml" if system == "colocated" else "local-cpu.yaml"
     data = yaml.safe_load((repo / "deploy/config" / name).read_text())
     if system != "colocated":
-        data.setdefault("router", {})["placement"] = {"mode": system}
+        router = data.setdefault("router", {})
+        router["placement"] = {"mode": "adaptive" if system == "blind" else system}
+        if system == "blind":
+            router["prefix_aware"] = False
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
@@ -244,6 +265,9 @@ def text(results: dict, slos: Sequence[Slo]) -> str:
         "",
         "## Highest rate at ≥ 90 % SLO attainment (requests/s)",
         "",
+        "Strict: up to where attainment first falls below 90 % (DistServe's reading); lenient: "
+        "up to the highest rate still at ≥ 90 %. One figure where both agree.",
+        "",
         "| mix | SLO | " + " | ".join(systems) + " |",
         "|---|---|" + "---|" * len(systems),
     ]
@@ -303,9 +327,17 @@ def _describe(slo: Slo) -> str:
 
 
 def _rate(cell: dict | None) -> str:
-    if not cell or cell["rate"] is None:
+    """A headline cell: "2.12", or "2.12 (lenient 3.30)" where the readings differ."""
+    if not cell:
         return "–"
-    return f"{'' if cell['bound'] == '=' else cell['bound'] + ' '}{cell['rate']:.2f}"
+    strict, lenient = _reading(cell.get("strict")), _reading(cell.get("lenient"))
+    return strict if lenient == strict else f"{strict} (lenient {lenient})"
+
+
+def _reading(value: dict | None) -> str:
+    if not value or value["rate"] is None:
+        return "–"
+    return f"{'' if value['bound'] == '=' else value['bound'] + ' '}{value['rate']:.2f}"
 
 
 def _pct(value: float | None) -> str:

@@ -66,6 +66,7 @@ class Call:
     request_id: str
     prompt: list[int]
     args: tuple
+    params: Any = None
     deltas: int = 0
     cancelled: bool = False
     finished: bool = False
@@ -112,7 +113,7 @@ class FakeNode(NodeClient):
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
         request_id, prompt, params, *rest = args
-        call = Call(method, request_id, list(prompt), tuple(rest))
+        call = Call(method, request_id, list(prompt), tuple(rest), params)
         self.calls.append(call)
         start = len(prompt)
         if method == "prefill":

@@ -226,6 +226,52 @@ def test_the_highest_rate_at_ninety_percent_interpolates_the_crossing():
     assert highest_rate([]) == {"rate": None, "bound": None}
 
 
+def test_the_lenient_reading_goes_to_the_last_rate_still_at_ninety_percent():
+    from pdserve.bench.sweep import Slo, headline, highest_rate, text
+
+    dip = [(1, 0.88), (2, 0.93), (3, 0.94), (4, 0.5)]  # plain vLLM on the interference mix
+    assert highest_rate(dip) == {"rate": 1, "bound": "<"}
+    assert highest_rate(dip, reading="lenient") == {
+        "rate": pytest.approx(3 + 0.04 / 0.44),
+        "bound": "=",
+    }
+    assert highest_rate([(1, 1.0), (2, 0.5), (3, 0.95)], reading="lenient") == {
+        "rate": 3,
+        "bound": "≥",
+    }
+    assert highest_rate([(1, 0.5), (2, 0.8)], reading="lenient") == {"rate": 1, "bound": "<"}
+    smooth = [(1, 1.0), (2, 0.95), (4, 0.5)]
+    assert highest_rate(smooth, reading="lenient") == highest_rate(smooth)
+    with pytest.raises(ValueError, match="reading"):
+        highest_rate(smooth, reading="loose")
+    slo = Slo("smooth", 1.0, max_gap_s=0.25)
+    point = {
+        "attainment": {"smooth": None},
+        "ttft_s": {},
+        "itl_s": {},
+        "max_gap_s": {},
+        "errors": 0,
+    }
+    results = {
+        "points": {
+            "steady": {
+                "vllm": {str(r): {**point, "attainment": {"smooth": a}} for r, a in dip},
+                "adaptive": {str(r): {**point, "attainment": {"smooth": a}} for r, a in smooth},
+            }
+        }
+    }
+    row = headline(results, [slo])["steady"]["smooth"]
+    assert row["vllm"]["strict"]["bound"] == "<" and row["vllm"]["lenient"]["bound"] == "="
+    results.update(headline=headline(results, [slo]), systems=["adaptive", "vllm"])
+    results.update(machine="m", duration_s=30, fairness="f")
+    for p in results["points"]["steady"].values():
+        for v in p.values():
+            v.update(ttft_s={"p50": 0.1, "p90": 0.2}, itl_s={"p50": 0.03, "p99": 0.05})
+            v.update(max_gap_s={"p99": 0.1})
+    table = text(results, [slo])
+    assert "| steady | smooth | 2.22 | < 1.00 (lenient 3.09) |" in table
+
+
 def test_handover_percentiles_come_from_the_histogram_buckets():
     from pdserve.bench.sweep import bucket_quantile, placement_figures
 
@@ -270,6 +316,9 @@ def test_sweep_configs_set_the_placement_and_the_overrides(tmp_path):
     assert config.engine.seed == 3 and config.mode == "disaggregated"
     colocated = yaml.safe_load(pdserve_config("colocated", REPO, tmp_path).read_text())
     assert colocated["mode"] == "colocated" and "placement" not in colocated.get("router", {})
+    blind = load_config(pdserve_config("blind", REPO, tmp_path))
+    assert blind.router.placement.mode == "adaptive" and not blind.router.prefix_aware
+    assert load_config(pdserve_config("adaptive", REPO, tmp_path)).router.prefix_aware
     with pytest.raises(ConfigError, match="router.placement.mode"):
         pdserve_config("remote", REPO, tmp_path, ["router.placement.mode=both"])
     with pytest.raises(ValueError, match="KEY=VALUE"):

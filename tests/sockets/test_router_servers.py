@@ -12,6 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from pdserve.engine.types import CACHE_SALT_ARG
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.admission import Admission
@@ -232,6 +233,12 @@ async def test_grpc_streams_and_maps_errors(router):
         replies = [r async for r in stub.Generate(request, metadata=auth)]
         assert "".join(r.text for r in replies) == fake_text(1, 3)
         assert replies[-1].finish_reason == "length" and replies[-1].usage.completion_tokens == 3
+        router.reset()
+        salted = pb.GenerateRequest(text="hi", sampling=request.sampling, cache_salt="tenant-a")
+        assert [r.text async for r in stub.Generate(salted, metadata=auth)][-1]
+        assert {
+            c.params.extra_args[CACHE_SALT_ARG] for n in router.nodes.values() for c in n.calls
+        } == {"tenant-a"}
         bad = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=0))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             [r async for r in stub.Generate(bad, metadata=auth)]
