@@ -327,6 +327,14 @@ class RouterConfig(_Strict):
     vLLM's server does with `--enable-prompt-tokens-details`."""
     tls: RouterTLSConfig | None = None
     """TLS on both faces (https:// and a secure gRPC port). None: plain text, as on loopback."""
+    face: Literal["pdserve", "vllm"] = "pdserve"
+    """The HTTP face: `pdserve` (the router's own OpenAI layer) or `vllm` (work in progress:
+    vLLM's own OpenAI server over the pools, router/vllm_face.py — tools, reasoning parsers,
+    the Responses API, tokenize, as `vllm serve` serves them)."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """With `face: vllm`: `vllm serve` front-end flags, as on its command line (e.g.
+    ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]). The model, its dtype and
+    length, the served name and the API key come from this config."""
 
 
 class KVTransferConfig(_Strict):

@@ -142,7 +142,7 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
+async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=None) -> None:
     """Serve HTTP and gRPC until SIGINT/SIGTERM, with the pools' health watchers alongside;
     then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
@@ -174,7 +174,13 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None) -> None:
         router.max_connections_per_client,
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
-    app = create_app(service, key, limit, router.body_timeout_s)
+    if router.face == "vllm":
+        from router.vllm_face import serve_app
+
+        model_dir, served = model
+        app = await serve_app(service, config, str(model_dir), served)
+    else:
+        app = create_app(service, key, limit, router.body_timeout_s)
     http = _Server(
         uvicorn_config(
             app,
@@ -316,7 +322,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 urls = {"http": f"{scheme}://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
                 Path(ready_file).write_text(json.dumps(urls))
 
-        asyncio.run(_serve(service, config, on_ready, scaler))
+        asyncio.run(_serve(service, config, on_ready, scaler, (model_dir, served)))
         logger.info("HTTP and gRPC servers stopped; shutting down")
         return 0
     finally:

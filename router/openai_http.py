@@ -145,31 +145,14 @@ def _node_view(node) -> dict:
     }
 
 
-def create_app(
-    service: RouterService,
-    api_key: str | None = None,
-    max_request_bytes: int = 4 << 20,
-    body_timeout_s: float = BODY_TIMEOUT_S,
-) -> FastAPI:
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+def add_operations(app: FastAPI, service: RouterService, api_key: str | None) -> None:
+    """The routes both HTTP faces serve the same way: /health (the pools' health), the nodes'
+    recent steps, and the router's /metrics; and the JSON body of a `RequestError`."""
     dispatcher = service.dispatcher
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> JSONResponse:
-        """The API's schema, behind the key like every path but the bare health check."""
-        _check_auth(api_key, request)
-        return JSONResponse(app.openapi())
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, error: RequestError) -> JSONResponse:
         return _error_response(error)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        """A fault nothing else caught (a bug): logged with its traceback, answered as a JSON
-        500 like every other error."""
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return _error_response(RequestError(f"internal error: {type(error).__name__}"))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -201,18 +184,6 @@ def create_app(
             }
         )
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
-
-        _check_auth(api_key, request)
-        card = ModelCard(
-            id=service.frontend.served_name,
-            owned_by="pdserve",
-            max_model_len=service.frontend.max_model_len,
-        )
-        return JSONResponse(ModelList(data=[card]).model_dump())
-
     @app.get("/pdserve/v1/steps")
     async def steps(request: Request) -> JSONResponse:
         """Every healthy node's recent engine steps (`pdserve plan calibrate`), behind the key."""
@@ -243,6 +214,42 @@ def create_app(
         _check_auth(api_key, request)
         registry = service.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(
+    service: RouterService,
+    api_key: str | None = None,
+    max_request_bytes: int = 4 << 20,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        """The API's schema, behind the key like every path but the bare health check."""
+        _check_auth(api_key, request)
+        return JSONResponse(app.openapi())
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        """A fault nothing else caught (a bug): logged with its traceback, answered as a JSON
+        500 like every other error."""
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return _error_response(RequestError(f"internal error: {type(error).__name__}"))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+        _check_auth(api_key, request)
+        card = ModelCard(
+            id=service.frontend.served_name,
+            owned_by="pdserve",
+            max_model_len=service.frontend.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    add_operations(app, service, api_key)
 
     async def generate(kind: str, request: Request):
         started = clock.now()

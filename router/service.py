@@ -168,10 +168,22 @@ class RouterService:
         """Admit, validate and tokenize (on a thread: a long prompt must not stall the event loop
         the health checks and streams run on), then check the pools: bad input is a 400 whether
         or not a node is up. A refusal is counted and raised, and gives its slot back."""
+        return await self._admit(api, lambda: asyncio.to_thread(self.frontend.prepare, kind, body))
+
+    async def open_prepared(self, prepared: PreparedRequest, api: str) -> Admitted:
+        """`open` for a request a face validated and tokenized itself (vLLM's, router/vllm_face.py):
+        admission, the router's limits and the pools' check."""
+
+        async def given() -> PreparedRequest:
+            return prepared
+
+        return await self._admit(api, given)
+
+    async def _admit(self, api: str, prepare: Any) -> Admitted:
         slot = None
         try:
             slot = self.admission.admit()
-            prepared = await asyncio.to_thread(self.frontend.prepare, kind, body)
+            prepared = await prepare()
             self.limits.check(prepared)
             self.dispatcher.check_available()
         except BaseException as error:
@@ -200,13 +212,18 @@ class RouterService:
             self.dispatcher, prepared, deadline, self.retry, self._on_retry, self._on_resume
         )
 
-    async def stream(self, request: Admitted) -> AsyncIterator[TokenDelta]:
-        """The deltas of a streamed request, as they come."""
+    async def deltas(self, request: Admitted) -> AsyncIterator[TokenDelta | object]:
+        """The request's deltas as they come; a non-streamed request that starts over yields
+        `RESTART` (drop what was gathered). Its latencies are observed, its outcome counted, and
+        its slot released however it ends."""
         outcome = "cancelled"  # until it ends another way
         try:
             async with aclosing(self._runs(request)) as deltas:
                 async for delta in deltas:
-                    request.timer.tokens(len(delta.token_ids))
+                    if delta is RESTART:
+                        request.timer.restart()
+                    else:
+                        request.timer.tokens(len(delta.token_ids))
                     yield delta
             outcome = "success"
         except RequestError as error:
@@ -216,23 +233,18 @@ class RouterService:
             request.slot.release()
             request.timer.finished(outcome)
 
+    async def stream(self, request: Admitted) -> AsyncIterator[TokenDelta]:
+        """The deltas of a streamed request, as they come (a stream never starts over)."""
+        async with aclosing(self.deltas(request)) as deltas:
+            async for delta in deltas:
+                yield delta
+
     async def collect(self, request: Admitted) -> Collected:
         """A non-streamed request's whole response."""
-        outcome, got = "cancelled", Collected()
-        try:
-            async with aclosing(self._runs(request)) as deltas:
-                async for delta in deltas:
-                    if delta is RESTART:
-                        got = Collected()
-                        request.timer.restart()
-                        continue
-                    request.timer.tokens(len(delta.token_ids))
+        got = Collected()
+        async with aclosing(self.deltas(request)) as deltas:
+            async for delta in deltas:
+                got = Collected() if delta is RESTART else got
+                if delta is not RESTART:
                     got.add(delta)
-            outcome = "success"
-            return got
-        except RequestError as error:
-            outcome = error.kind
-            raise
-        finally:
-            request.slot.release()
-            request.timer.finished(outcome)
+        return got

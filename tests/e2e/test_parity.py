@@ -17,6 +17,8 @@ from tests.e2e import parity
 from tests.e2e.conftest import finish_server, start_server
 
 FULL = os.environ.get("PDSERVE_PARITY") == "full"
+FACE = os.environ.get("PDSERVE_PARITY_FACE", "pdserve")
+"""`router.face` of both pdserve systems (`vllm`: vLLM's own OpenAI server over the pools)."""
 SYSTEMS = ("vllm", "colocated", "disaggregated")
 CONFIG = {
     "colocated": "mode: colocated\nrouter: {enable_prompt_tokens_details: true}\n",
@@ -44,7 +46,10 @@ def _serve(system: str, model_dir, work):
     @contextlib.contextmanager
     def pdserve():
         config = work / "pdserve.yaml"
-        config.write_text(CONFIG[system] + "engine: {dtype: float32}\n")
+        config.write_text(
+            CONFIG[system].replace("router: {", f"router: {{face: {FACE}, ")
+            + "engine: {dtype: float32}\n"
+        )
         server = start_server(work, "--config", str(config))
         try:
             yield server.url
@@ -60,6 +65,8 @@ REFUSED = (
     ("priority", "3"),
 )
 """Fields plain vLLM accepts and pdserve refuses with a 400 naming them (router/fields.py)."""
+if FACE == "vllm":  # vLLM's face takes `priority` as vLLM does (ignored: the engines run FCFS)
+    REFUSED = tuple(refused for refused in REFUSED if refused[0] != "priority")
 
 
 def _refusals(url: str) -> dict[str, tuple[int, str]]:

@@ -106,6 +106,7 @@ ROUTER_EDGES = {
     "logprobs.py",
     "grpc_api.py",
     "ray_nodes.py",
+    "vllm_face.py",
 }
 """Router modules that talk to the outside (HTTP, gRPC, vLLM's request classes, Ray)."""
 
