@@ -35,7 +35,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             overrides["model"] = args.model
         if args.address:
             overrides["ray"] = {**config.ray.model_dump(), "address": args.address}
+        engine = {}
+        if args.dtype:
+            engine["dtype"] = args.dtype
+        if args.max_model_len is not None:
+            engine["max_model_len"] = args.max_model_len
+        if args.reasoning_parser:
+            engine["reasoning_parser"] = args.reasoning_parser
+        if engine:
+            overrides["engine"] = {**config.engine.model_dump(), **engine}
         router = {}
+        if args.vllm_args:
+            router["vllm_args"] = [*config.router.vllm_args, *args.vllm_args]
+        if args.served_model_name:
+            router["served_model_name"] = args.served_model_name
+        if args.api_key:
+            router["api_key"] = args.api_key
+        if args.enable_prompt_tokens_details:
+            router["enable_prompt_tokens_details"] = True
         if args.host:
             router["host"] = args.host
         if args.port is not None:
@@ -317,9 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="serve a model through the router (OpenAI-compatible HTTP)",
+        help="serve a model through the router (vLLM's OpenAI server over the pools, and gRPC)",
         description="Start (or join) a Ray cluster, place the vLLM engine pools as Ray actors and "
-        "serve the OpenAI-compatible API. Ctrl-C or SIGTERM stops everything it started.",
+        "serve vLLM's own OpenAI API over them. Ctrl-C or SIGTERM stops everything it started. "
+        "Any other flag is one of `vllm serve`'s front-end flags, passed to vLLM's server as on "
+        "its command line (--tool-call-parser, --enable-auto-tool-choice, --reasoning-parser, "
+        "--chat-template, ...: router.vllm_args in the config); engine settings belong in the "
+        "config's `engine` and `pools` sections.",
     )
     serve.add_argument(
         "--config",
@@ -343,6 +364,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--cache-dir", help="model cache folder (as for `model prepare`)")
     serve.add_argument(
+        "--served-model-name", help="the model's name in the API (router.served_model_name)"
+    )
+    serve.add_argument(
+        "--api-key",
+        help="the key clients send as `Authorization: Bearer <key>` (router.api_key; the config "
+        "keeps it off the process list)",
+    )
+    serve.add_argument("--dtype", help="the engines' dtype (engine.dtype)")
+    serve.add_argument(
+        "--max-model-len", type=int, help="the engines' context length (engine.max_model_len)"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        help="vLLM's reasoning parser, in the face and on every engine (engine.reasoning_parser)",
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report cached prompt tokens in usage (router.enable_prompt_tokens_details)",
+    )
+    serve.add_argument(
         "--ready-file", help='write {"http": URL, "grpc": HOST:PORT} here once serving'
     )
     serve.set_defaults(func=_cmd_serve)
@@ -362,7 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "func", None) is not _cmd_serve:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and not extra[0].startswith("-"):
+        parser.error(f"pdserve serve takes the model as --model or in the config, not {extra[0]!r}")
+    args.vllm_args = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -22,6 +22,21 @@ DEFAULT_MODEL = "default"
 """Model name that means the embedded SmolLM2-135M-Instruct built by `pdserve model prepare`."""
 
 
+CONFIG_FLAGS = {
+    "--model": "model",
+    "--served-model-name": "router.served_model_name",
+    "--api-key": "router.api_key",
+    "--dtype": "engine.dtype",
+    "--max-model-len": "engine.max_model_len",
+    "--host": "router.host",
+    "--port": "router.http_port",
+    "--enable-prompt-tokens-details": "router.enable_prompt_tokens_details",
+    "--reasoning-parser": "engine.reasoning_parser",
+}
+"""`vllm serve` flags whose setting lives in pdserve's config: refused in `router.vllm_args`,
+mapped there by `pdserve serve`."""
+
+
 class _Strict(BaseModel):
     # the docstring under each field is its description: docs/configuration.md is made of them
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -57,6 +72,11 @@ class EngineConfig(_Strict):
     """Tokens per KV block (vLLM's `block_size`; None: vLLM's default for the device, 128 on
     CPU). The prefix cache reuses whole blocks only: smaller blocks reuse more of a
     conversation's history (its answers end mid-block). CPU engines take multiples of 32."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser for the served model (`vllm serve --reasoning-parser`, e.g.
+    "deepseek_r1"): the HTTP face splits each answer's reasoning from its content with it, and
+    every engine starts a structured output only once the reasoning has ended, as one vLLM
+    server does."""
     omp_threads: int | None = Field(None, gt=0)
     """CPU only: OMP_NUM_THREADS per engine. None: the node's CPU share."""
     seed: int = 0
@@ -327,14 +347,20 @@ class RouterConfig(_Strict):
     vLLM's server does with `--enable-prompt-tokens-details`."""
     tls: RouterTLSConfig | None = None
     """TLS on both faces (https:// and a secure gRPC port). None: plain text, as on loopback."""
-    face: Literal["pdserve", "vllm"] = "pdserve"
-    """The HTTP face: `pdserve` (the router's own OpenAI layer) or `vllm` (work in progress:
-    vLLM's own OpenAI server over the pools, router/vllm_face.py — tools, reasoning parsers,
-    the Responses API, tokenize, as `vllm serve` serves them)."""
     vllm_args: list[str] = Field(default_factory=list)
-    """With `face: vllm`: `vllm serve` front-end flags, as on its command line (e.g.
-    ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]). The model, its dtype and
-    length, the served name and the API key come from this config."""
+    """`vllm serve`'s front-end flags, as on its command line (e.g. ["--tool-call-parser",
+    "hermes", "--enable-auto-tool-choice", "--chat-template", "tools.jinja"]): the HTTP face is
+    vLLM's own OpenAI server. The model, its dtype and length, the served name, the address and
+    the API key come from this config (`pdserve serve` maps those flags there)."""
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _front_end_only(cls, flags: list[str]) -> list[str]:
+        for flag in flags:
+            name = flag.split("=", 1)[0]
+            if name in CONFIG_FLAGS:
+                raise ValueError(f"{name} is set by {CONFIG_FLAGS[name]} in this config")
+        return flags
 
 
 class KVTransferConfig(_Strict):

@@ -149,7 +149,7 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
 
     from router.connections import uvicorn_config
     from router.grpc_api import create_server, follow_pools
-    from router.openai_http import create_app
+    from router.vllm_face import Renderer, serve_app
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -164,8 +164,11 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
     router = config.router
     host, key, limit = router.host, router.api_key, router.max_request_bytes
     tls = router.tls.files() if router.tls else None
+    model_dir, served = model
+    app = await serve_app(service, config, str(model_dir), served)
     grpc_server, grpc_port, grpc_health = await create_server(
         service,
+        Renderer(app.state),
         f"{host}:{router.grpc_port}",
         key,
         limit,
@@ -174,13 +177,6 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
         router.max_connections_per_client,
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
-    if router.face == "vllm":
-        from router.vllm_face import serve_app
-
-        model_dir, served = model
-        app = await serve_app(service, config, str(model_dir), served)
-    else:
-        app = create_app(service, key, limit, router.body_timeout_s)
     http = _Server(
         uvicorn_config(
             app,
@@ -242,7 +238,6 @@ def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory)
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     from router.admission import Admission
-    from router.frontend import Frontend
     from router.metrics import RouterMetrics
     from router.retry import RetryPolicy
     from router.service import RequestLimits, RouterService
@@ -252,6 +247,13 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     model_dir = resolve_model(config)
     config = with_planned_chunk(config, model_dir)
     served = config.router.served_model_name or model_dir.name
+    try:  # vLLM's own check of its front-end flags, before any engine starts
+        from router.vllm_face import front_flags, vllm_args
+
+        vllm_args(str(model_dir), served, front_flags(config))
+    except (TypeError, ValueError) as error:
+        logger.error("router.vllm_args: %s", error)
+        return 2
     owns_ray = _init_ray(config)
     actors: list = []
     try:
@@ -269,12 +271,6 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 "%s engine %s up in %.1f s (pid %s)", name, info.name, info.start_s, info.pid
             )
         dispatcher = _build_dispatcher(config, pools, infos)
-        frontend = Frontend(
-            str(model_dir),
-            served,
-            started_infos[0].max_model_len,
-            config.router.enable_prompt_tokens_details,
-        )
         metrics = RouterMetrics(
             dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
         )
@@ -283,7 +279,6 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
         scaler = _scaler(config, dispatcher, metrics, factory)
         admission = Admission(config.router.max_outstanding_requests)
         service = RouterService(
-            frontend,
             dispatcher,
             metrics,
             admission,

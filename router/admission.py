@@ -16,11 +16,15 @@ class Admission:
         self.limit = limit
         self.outstanding = 0
 
-    def admit(self) -> Slot:
+    def check(self) -> None:
+        """`Overloaded` when a request would be refused now."""
         if self.outstanding >= self.limit:
             raise Overloaded(
                 f"{self.outstanding} requests in flight (limit {self.limit}); retry later"
             )
+
+    def admit(self) -> Slot:
+        self.check()
         self.outstanding += 1
         return Slot(self)
 

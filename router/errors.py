@@ -111,3 +111,15 @@ def error_body(error: RequestError) -> dict:
             "code": error.http_status,
         }
     }
+
+
+def for_status(status: int, message: str = "") -> RequestError:
+    """The error a face answered with `status` stands for (its `kind` labels the count): the
+    first class with that HTTP status, any other 4xx a bad request, any other 5xx internal."""
+    for cls in (
+        InvalidRequest, Unauthorized, ModelNotFound, PayloadTooLarge, RequestTimeout,
+        Overloaded, PoolUnavailable, DeadlineExceeded,
+    ):  # fmt: skip
+        if cls.http_status == status:
+            return cls(message)
+    return InvalidRequest(message) if 400 <= status < 500 else RequestError(message)

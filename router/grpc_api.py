@@ -1,10 +1,10 @@
 """gRPC API (proto/pdserve/v1/generate.proto): server-streaming `Generate`, standard health
 (grpc.health.v1) and server reflection — the gRPC edge of `RouterService` (router/service.py).
 
-A `GenerateRequest` is converted at this edge into the same OpenAI-shaped body the HTTP API
-validates, so both APIs accept and reject exactly the same requests; protobuf types go no further
-than this module. Errors carry their gRPC status (router/errors.py). A cancelled call cancels the
-engine request.
+A `GenerateRequest` is converted at this edge into the OpenAI-shaped body the HTTP API takes,
+and rendered by the same serving layer (vLLM's, `render`: router/vllm_face.py `Renderer`), so
+both APIs accept and reject the same requests; protobuf types go no further than this module.
+Errors carry their gRPC status (router/errors.py). A cancelled call cancels the engine request.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -26,11 +28,15 @@ from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.auth import authorized
 from router.connections import PerClient, grpc_options
 from router.errors import InvalidRequest, PoolUnavailable, RequestError, Unauthorized
+from router.request import PreparedRequest
 from router.service import RouterService
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "pdserve.v1.Generation"
+
+Render = Callable[[str, dict[str, Any], str], Awaitable[PreparedRequest]]
+"""(kind, OpenAI-shaped body, request id) -> the request, validated and tokenized."""
 
 
 def _status(error: RequestError) -> grpc.StatusCode:
@@ -117,9 +123,13 @@ def _peer_host(peer: str) -> str:
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(
-        self, service: RouterService, api_key: str | None, per_client: PerClient | None = None
+        self,
+        service: RouterService,
+        render: Render,
+        api_key: str | None,
+        per_client: PerClient | None = None,
     ) -> None:
-        self.service = service
+        self.service, self.render = service, render
         self.api_key = api_key
         self.per_client = per_client or PerClient(1 << 30)
 
@@ -139,18 +149,19 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             self._check_auth(context)
             kind, body = _body(request)
+            prepared = await self.render(kind, body, f"grpc-{uuid.uuid4().hex}")
         except RequestError as error:
             self.service.rejected("grpc", error)
             await context.abort(_status(error), error.message)
         try:
-            admitted = await self.service.open(kind, body, "grpc")
+            admitted = await self.service.open(prepared, "grpc")
         except RequestError as error:
             await context.abort(_status(error), error.message)
         completion: dict[int, int] = {}
         cached: int | None = None
         prompt_tokens = len(admitted.prepared.prompt_token_ids)
         try:
-            async with aclosing(self.service.stream(admitted)) as deltas:
+            async with aclosing(self.service.deltas(admitted)) as deltas:
                 async for delta in deltas:
                     count = completion.get(delta.index, 0) + len(delta.token_ids)
                     completion[delta.index] = count
@@ -211,6 +222,7 @@ def _credentials(tls: ServerFiles) -> grpc.ServerCredentials:
 
 async def create_server(
     service: RouterService,
+    render: Render,
     address: str,
     api_key: str | None = None,
     max_request_bytes: int = 4 << 20,
@@ -222,7 +234,7 @@ async def create_server(
     server = grpc.aio.server(
         options=grpc_options(max_request_bytes), maximum_concurrent_rpcs=max_calls
     )
-    generation = GenerationService(service, api_key, PerClient(per_client or max_calls))
+    generation = GenerationService(service, render, api_key, PerClient(per_client or max_calls))
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

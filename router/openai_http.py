@@ -1,30 +1,22 @@
-"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
-/metrics — the HTTP edge of `RouterService` (router/service.py).
-
-Life of a request: the body is read and parsed as JSON, `RouterService.open` admits it (429 when
-full), validates it (400/404 on bad input) and checks the pools (503); then it is streamed as
-server-sent events ending in `data: [DONE]`, or collected into one JSON response. A client that
-disconnects from a stream cancels the engine-side request. vLLM's own OpenAI protocol classes
-shape the responses, so the official `openai` client works unchanged.
-"""
+"""The HTTP face's own parts around vLLM's OpenAI server (router/vllm_face.py): the guard in
+front of it (`Guard`: bounded bodies, the pools' gate) and the routes the pools answer themselves
+(`add_operations`: /health, /pdserve/v1/steps, /metrics)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextvars import ContextVar
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.types import STEP_FIELDS
-from router import clock
 from router.auth import authorized
 from router.errors import (
-    InvalidRequest,
     NodeFailed,
     Overloaded,
     PayloadTooLarge,
@@ -33,98 +25,143 @@ from router.errors import (
     RequestTimeout,
     Unauthorized,
     error_body,
+    for_status,
 )
-from router.responses import StreamShaper, full_response
-from router.service import Admitted, RouterService
 
 logger = logging.getLogger(__name__)
 
 
+def _headers(error: RequestError) -> dict[str, str] | None:
+    return {"Retry-After": "1"} if isinstance(error, Overloaded) else None
+
+
 def _error_response(error: RequestError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if isinstance(error, Overloaded) else None
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=_headers(error))
 
 
-DISCONNECT_POLL_S = 0.5
-"""How often a request checks that its client is still there while it waits for a token."""
 BODY_TIMEOUT_S = 30.0
 """Default for `router.body_timeout_s`."""
 NODE_ANSWER_S = 10.0
 """How long an admin endpoint that asks every node waits for them (all at once): a node that
 has not answered by then is named in the reply, not waited on."""
 
-
-async def _json_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> Any:
-    """The body as JSON, read no further than `limit` bytes and for no longer than
-    `timeout_s`."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {limit}")
-    raw = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    except TimeoutError:
-        raise RequestTimeout(
-            f"request body not received within {timeout_s:g} s (router.body_timeout_s)"
-        ) from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise InvalidRequest("request body is nested too deeply") from None
+OPEN_PATHS = frozenset({"/health"})
+"""Paths anyone may ask (the bare health check; its detail still needs the key)."""
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+"""The paths that run a request on the nodes: the pools' gate stands in front of them."""
 
 
-class ClientGone(Exception):
-    """The client closed its connection while its answer was being made."""
+_REQUEST: ContextVar[dict | None] = ContextVar("pdserve_http_request", default=None)
+"""The generation request the guard is answering (its task's and its stream's)."""
 
 
-async def _unless_gone(request: Request, awaitable: Any) -> Any:
-    """`awaitable`'s result, or `ClientGone` (it cancelled) once the client has disconnected:
-    polled every `DISCONNECT_POLL_S`, so a client that leaves during a long prefill stops it."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                raise ClientGone
-        return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+def counted() -> None:
+    """The router's service counts this HTTP request (it reached the pools' `generate`): the
+    guard must not count it again as refused."""
+    request = _REQUEST.get()
+    if request is not None:
+        request["counted"] = True
+
+
+class Guard:
+    """ASGI middleware in front of the OpenAI server:
+
+    - with `router.api_key`, every path but /health needs the key (vLLM's own check covers
+      /v1/* only: its schema, docs, /tokenize and /version would be open);
+    - a request body is read whole, no further than `limit` bytes (413) and for no longer than
+      `timeout_s` (408), before the server sees it;
+    - a generation request meets the pools' gate (`service.gate`): 429 with
+      Retry-After when the router is full, 503 when no node can serve — answered before the
+      server starts a stream, so a streamed request gets its status as a whole one does. (A
+      request that passes the gate and then finds the router full or the pools gone still gets
+      the error, as an error event in its stream.)
+    - a generation request vLLM's layer refuses before it reaches the pools (bad fields, an
+      unknown model) is counted in `pdserve_requests_total` by its status, as the router's own
+      refusals are.
+    """
+
+    def __init__(
+        self, app: Any, service: Any, api_key: str | None, limit: int, timeout_s: float
+    ) -> None:
+        self.app, self.service, self.api_key = app, service, api_key
+        self.limit, self.timeout_s = limit, timeout_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        reads = scope["method"] not in ("GET", "HEAD", "OPTIONS")
+        body = b""
+        try:
+            presented = (headers.get(b"authorization") or b"").decode("latin-1")
+            if not authorized(self.api_key, presented):
+                raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
+            if reads:
+                body = await self._body(headers, receive)
+                if scope["path"] in GENERATION_PATHS:
+                    self.service.gate()
+        except RequestError as error:
+            self.service.rejected("http", error)
+            await _error_response(error)(scope, receive, send)
+            return
+        if not reads:
+            await self.app(scope, receive, send)
+            return
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when the client leaves
+
+        if scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, replay, send)
+            return
+        request: dict[str, Any] = {"counted": False, "status": None}
+
+        async def watched(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                request["status"] = message["status"]
+            await send(message)
+
+        token = _REQUEST.set(request)
+        try:
+            await self.app(scope, replay, watched)
+        finally:
+            _REQUEST.reset(token)
+            status = request["status"]
+            if not request["counted"] and status is not None and status >= 400:
+                self.service.rejected("http", for_status(status))
+
+    async def _body(self, headers: dict, receive: Any) -> bytes:
+        declared = (headers.get(b"content-length") or b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > self.limit:
+            raise PayloadTooLarge(f"request body of {declared} bytes exceeds {self.limit}")
+        raw = bytearray()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        break
+                    raw += message.get("body", b"")
+                    if len(raw) > self.limit:
+                        raise PayloadTooLarge(f"request body exceeds {self.limit} bytes")
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise RequestTimeout(
+                f"request body not received within {self.timeout_s:g} s (router.body_timeout_s)"
+            ) from None
+        return bytes(raw)
 
 
 def _check_auth(api_key: str | None, request: Request) -> None:
     if not authorized(api_key, request.headers.get("authorization")):
         raise Unauthorized("missing or wrong API key (send `Authorization: Bearer <key>`)")
-
-
-async def _sse(
-    service: RouterService, request: Admitted, deltas: AsyncIterator, first: Any
-) -> AsyncIterator[str]:
-    """The events of a stream whose first delta (`first`, None when there was none) already
-    came: the response's status was decided by it."""
-    prepared = request.prepared
-    shaper = StreamShaper(service.frontend.served_name, prepared, service.frontend.tokenizer)
-    try:
-        for chunk in shaper.opening():
-            yield chunk
-        async with aclosing(deltas):
-            if first is not None:
-                yield shaper.chunk(first)
-            async for delta in deltas:
-                yield shaper.chunk(delta)
-        for chunk in shaper.closing(len(prepared.prompt_token_ids)):
-            yield chunk
-    except RequestError as error:
-        logger.warning("stream %s ended with %s: %s", prepared.request_id, error.kind, error)
-        yield f"data: {json.dumps(error_body(error))}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 def _node_view(node) -> dict:
@@ -145,14 +182,24 @@ def _node_view(node) -> dict:
     }
 
 
-def add_operations(app: FastAPI, service: RouterService, api_key: str | None) -> None:
-    """The routes both HTTP faces serve the same way: /health (the pools' health), the nodes'
-    recent steps, and the router's /metrics; and the JSON body of a `RequestError`."""
+def add_operations(app: FastAPI, service: Any, api_key: str | None) -> None:
+    """The routes the pools answer themselves: /health (the pools' health), the nodes' recent
+    steps, and the router's /metrics; and the JSON body of a `RequestError` and of FastAPI's
+    own refusals."""
     dispatcher = service.dispatcher
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, error: RequestError) -> JSONResponse:
         return _error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own refusals (a body it cannot parse, an unknown path) in the same JSON
+        shape as every other error, not `{"detail": …}`."""
+        status = error.status_code
+        body = {"error": {"message": str(error.detail), "type": HTTPStatus(status).phrase}}
+        body["error"] |= {"param": None, "code": status}
+        return JSONResponse(body, status_code=status, headers=error.headers)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -214,92 +261,3 @@ def add_operations(app: FastAPI, service: RouterService, api_key: str | None) ->
         _check_auth(api_key, request)
         registry = service.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def create_app(
-    service: RouterService,
-    api_key: str | None = None,
-    max_request_bytes: int = 4 << 20,
-    body_timeout_s: float = BODY_TIMEOUT_S,
-) -> FastAPI:
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> JSONResponse:
-        """The API's schema, behind the key like every path but the bare health check."""
-        _check_auth(api_key, request)
-        return JSONResponse(app.openapi())
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        """A fault nothing else caught (a bug): logged with its traceback, answered as a JSON
-        500 like every other error."""
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return _error_response(RequestError(f"internal error: {type(error).__name__}"))
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
-
-        _check_auth(api_key, request)
-        card = ModelCard(
-            id=service.frontend.served_name,
-            owned_by="pdserve",
-            max_model_len=service.frontend.max_model_len,
-        )
-        return JSONResponse(ModelList(data=[card]).model_dump())
-
-    add_operations(app, service, api_key)
-
-    async def generate(kind: str, request: Request):
-        started = clock.now()
-        try:
-            _check_auth(api_key, request)
-            body = await _json_body(request, max_request_bytes, body_timeout_s)
-        except RequestError as error:
-            service.rejected("http", error)
-            raise
-        admitted = await service.open(kind, body, "http")
-        prepared = admitted.prepared
-        logger.info(
-            "%s: %d prompt tokens, max_tokens=%s, stream=%s (prepared in %.1f ms)",
-            prepared.request_id,
-            len(prepared.prompt_token_ids),
-            prepared.sampling_params.max_tokens,
-            prepared.stream,
-            (clock.now() - started) * 1e3,
-        )
-        if prepared.stream:
-            # wait for the first token before answering: a request the engine refuses (or that
-            # no node can serve) gets its status code, as from vLLM's own server, not an event
-            deltas = service.stream(admitted)
-            try:
-                first = await _unless_gone(request, anext(deltas))
-            except StopAsyncIteration:
-                first = None
-            except ClientGone:
-                await deltas.aclose()  # aborts the prefill, or gives its KV back
-                logger.info("%s: client left before its first token", prepared.request_id)
-                return Response(status_code=499)
-            except BaseException:
-                await deltas.aclose()
-                raise
-            stream = _sse(service, admitted, deltas, first)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        try:
-            got = await _unless_gone(request, service.collect(admitted))
-        except ClientGone:
-            logger.info("%s: client left; cancelled", prepared.request_id)
-            return Response(status_code=499)
-        frontend = service.frontend
-        return JSONResponse(full_response(frontend.served_name, prepared, got, frontend.tokenizer))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate("completion", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate("chat", request)
-
-    return app

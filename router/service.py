@@ -1,22 +1,21 @@
 """The router's service, shared by both edges (OpenAI HTTP and gRPC).
 
 Life of a request here:
-1. `open(kind, body, api)`: admission gives it a slot, the frontend validates and tokenizes the
-   body off the event loop, the router's own limits are checked (`RequestLimits`), and the
-   dispatcher says whether any node can take it — or it is refused with a `RequestError`
-   (counted, its slot given back).
-2. `stream(request)` or `collect(request)`: the request runs under the retry policy
-   (router/retry.py) with its deadline (`router.request_timeout_s` from arrival); its latencies
-   are observed once, its outcome counted, and its slot released however it ends.
+1. A face validates and tokenizes the request (vLLM's serving layer, router/vllm_face.py).
+2. `open(prepared, api)`: admission gives it a slot, the router's own limits are checked
+   (`RequestLimits`), and the dispatcher says whether any node can take it — or it is refused
+   with a `RequestError` (counted, its slot given back).
+3. `deltas(request)`: the request runs under the retry policy (router/retry.py) with its
+   deadline (`router.request_timeout_s` from arrival); its latencies are observed once, its
+   outcome counted, and its slot released however it ends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.types import TokenDelta
@@ -25,41 +24,6 @@ from router.errors import InvalidRequest, NodeFailed, RequestError
 from router.metrics import RequestTimer, RouterMetrics
 from router.request import PreparedRequest
 from router.retry import RESTART, RetryPolicy, runs
-
-
-@dataclass
-class Output:
-    """One sequence of a response (a request asks for `n`)."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class Collected:
-    """A whole response, gathered from its deltas."""
-
-    sequences: dict[int, Output] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    prompt_logprobs: list | None = None
-    num_cached_tokens: int | None = None
-
-    def add(self, delta: TokenDelta) -> None:
-        seq = self.sequences.setdefault(delta.index, Output())
-        seq.text.append(delta.text)
-        seq.token_ids.extend(delta.token_ids)
-        seq.logprobs.extend(delta.logprobs or [])
-        seq.finish_reason = delta.finish_reason or seq.finish_reason
-        if delta.stop_reason is not None:
-            seq.stop_reason = delta.stop_reason
-        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        if delta.num_cached_tokens is not None and self.num_cached_tokens is None:
-            self.num_cached_tokens = delta.num_cached_tokens
 
 
 @dataclass
@@ -151,7 +115,6 @@ def structured_spec_bytes(params: Any) -> int:
 class RouterService:
     def __init__(
         self,
-        frontend: Any,
         dispatcher: Any,
         metrics: RouterMetrics,
         admission: Admission,
@@ -159,31 +122,24 @@ class RouterService:
         request_timeout_s: float,
         limits: RequestLimits = RequestLimits(),
     ) -> None:
-        self.frontend, self.dispatcher, self.metrics = frontend, dispatcher, metrics
+        self.dispatcher, self.metrics = dispatcher, metrics
         self.admission, self.retry = admission, retry
         self.request_timeout_s = request_timeout_s
         self.limits = limits
 
-    async def open(self, kind: str, body: Any, api: str) -> Admitted:
-        """Admit, validate and tokenize (on a thread: a long prompt must not stall the event loop
-        the health checks and streams run on), then check the pools: bad input is a 400 whether
-        or not a node is up. A refusal is counted and raised, and gives its slot back."""
-        return await self._admit(api, lambda: asyncio.to_thread(self.frontend.prepare, kind, body))
+    def gate(self) -> None:
+        """Whether a request would be admitted now (`Overloaded`, `PoolUnavailable` if not),
+        without taking a slot: a face asks before it starts answering."""
+        self.admission.check()
+        self.dispatcher.check_available()
 
-    async def open_prepared(self, prepared: PreparedRequest, api: str) -> Admitted:
-        """`open` for a request a face validated and tokenized itself (vLLM's, router/vllm_face.py):
-        admission, the router's limits and the pools' check."""
-
-        async def given() -> PreparedRequest:
-            return prepared
-
-        return await self._admit(api, given)
-
-    async def _admit(self, api: str, prepare: Any) -> Admitted:
+    async def open(self, prepared: PreparedRequest, api: str) -> Admitted:
+        """Admit a request a face validated and tokenized, check the router's limits, then the
+        pools: bad input is a 400 whether or not a node is up. A refusal is counted and raised,
+        and gives its slot back."""
         slot = None
         try:
             slot = self.admission.admit()
-            prepared = await prepare()
             self.limits.check(prepared)
             self.dispatcher.check_available()
         except BaseException as error:
@@ -232,19 +188,3 @@ class RouterService:
         finally:
             request.slot.release()
             request.timer.finished(outcome)
-
-    async def stream(self, request: Admitted) -> AsyncIterator[TokenDelta]:
-        """The deltas of a streamed request, as they come (a stream never starts over)."""
-        async with aclosing(self.deltas(request)) as deltas:
-            async for delta in deltas:
-                yield delta
-
-    async def collect(self, request: Admitted) -> Collected:
-        """A non-streamed request's whole response."""
-        got = Collected()
-        async with aclosing(self.deltas(request)) as deltas:
-            async for delta in deltas:
-                got = Collected() if delta is RESTART else got
-                if delta is not RESTART:
-                    got.add(delta)
-        return got

@@ -1,4 +1,4 @@
-"""The HTTP face as vLLM's own OpenAI server, over the pools (work in progress, issue 21).
+"""The HTTP face: vLLM's own OpenAI server, over the pools.
 
 vLLM builds its OpenAI server's state from any `EngineClient` (vllm/engine/protocol.py): the
 chat templates, tool and reasoning parsers, the Responses API, tokenize / detokenize, the
@@ -14,6 +14,8 @@ vLLM enters the router here only, as Ray enters at router/ray_nodes.py only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
 from http import HTTPStatus
@@ -26,12 +28,13 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from pdserve.engine.types import CACHE_SALT_ARG, PositionLogprobs, TokenDelta
-from router.errors import RequestError
-from router.fields import ENGINE_INTERNAL
+from router.errors import InvalidRequest, ModelNotFound, RequestError
+from router.openai_http import Guard, add_operations, counted
 from router.request import PreparedRequest
 from router.retry import RESTART
 
 SUPPORTED_TASKS = ("generate",)
+ENGINE_INTERNAL = "is engine-internal: pdserve sets it itself and never takes it from a client"
 
 
 def _position(candidates: PositionLogprobs | None) -> dict[int, Logprob] | None:
@@ -146,6 +149,57 @@ def _http_error(error: RequestError) -> GracefulHTTPError:
     return GracefulHTTPError(error.message, HTTPStatus(error.http_status))
 
 
+WIRE_INTS = (-(1 << 63), (1 << 64) - 1)
+"""The integers msgpack carries (a node's vLLM sends each request to its EngineCore as msgpack):
+a larger one in any sampling field would fail there, after admission, as a server error."""
+
+
+def _wide_int(value: Any) -> bool:
+    """Whether an integer outside `WIRE_INTS` is anywhere in `value` (a struct's or dataclass's
+    fields, containers, keys)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not WIRE_INTS[0] <= value <= WIRE_INTS[1]
+    if isinstance(value, dict):
+        return any(_wide_int(k) or _wide_int(v) for k, v in value.items())
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(_wide_int(item) for item in value)
+    names = getattr(type(value), "__struct_fields__", None)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [f.name for f in dataclasses.fields(value)]
+    return any(_wide_int(getattr(value, name, None)) for name in names or ())
+
+
+def _check_wire_ints(params: Any) -> None:
+    for name in getattr(type(params), "__struct_fields__", ()):
+        try:
+            wide = _wide_int(getattr(params, name, None))
+        except RecursionError:
+            raise InvalidRequest(f"{name} is nested too deeply", name) from None
+        if wide:
+            raise InvalidRequest(f"{name} holds an integer outside [-2**63, 2**64 - 1]", name)
+
+
+def prepare(prompt: Any, sampling_params: Any, request_id: str) -> PreparedRequest:
+    """The router's request for one prompt vLLM's serving layer rendered: token prompts only;
+    every integer within what the engines' wire carries; a client's engine-internal fields
+    refused; its `cache_salt` carried to every leg."""
+    if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+        raise InvalidRequest("pdserve serves token prompts (no multi-modal or streaming input)")
+    if sampling_params.extra_args:  # a client's kv_transfer_params or vllm_xargs
+        extra = sampling_params.extra_args
+        field = "kv_transfer_params" if "kv_transfer_params" in extra else "vllm_xargs"
+        raise InvalidRequest(f"{field} {ENGINE_INTERNAL}", field)
+    _check_wire_ints(sampling_params)
+    salt = prompt.get("cache_salt")
+    if salt:
+        sampling_params.extra_args = {CACHE_SALT_ARG: salt}
+    stream = sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
+    token_ids = list(prompt["prompt_token_ids"])
+    return PreparedRequest(request_id, token_ids, sampling_params, stream, cache_salt=salt)
+
+
 class PoolsEngineClient(EngineClient):
     """vLLM's `EngineClient` over pdserve's pools: `generate` is the router's dispatch; the
     configs, renderer and input processor are vLLM's own, built in the router's process from
@@ -195,36 +249,21 @@ class PoolsEngineClient(EngineClient):
         reasoning_ended: bool | None = None,
         reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-            raise GracefulHTTPError(
-                "pdserve serves token prompts only (no multi-modal or streaming input)",
-                HTTPStatus.BAD_REQUEST,
-            )
-        if lora_request is not None:
-            raise GracefulHTTPError("pdserve serves no LoRA adapters", HTTPStatus.BAD_REQUEST)
-        if sampling_params.extra_args:  # a client's kv_transfer_params or vllm_xargs
-            field = (
-                "kv_transfer_params"
-                if "kv_transfer_params" in sampling_params.extra_args
-                else "vllm_xargs"
-            )
-            raise GracefulHTTPError(f"{field} {ENGINE_INTERNAL}", HTTPStatus.BAD_REQUEST)
-        if prompt.get("cache_salt"):
-            sampling_params.extra_args = {CACHE_SALT_ARG: prompt["cache_salt"]}
-        token_ids = list(prompt["prompt_token_ids"])
-        stream = sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
-        prepared = PreparedRequest(
-            request_id,
-            "completion",
-            token_ids,
-            sampling_params,
-            stream,
-            cache_salt=prompt.get("cache_salt"),
-        )
+        if self.api == "http":
+            counted()
         try:
-            admitted = await self.service.open_prepared(prepared, self.api)
+            if lora_request is not None:
+                raise InvalidRequest("pdserve serves no LoRA adapters")
+            prepared = prepare(prompt, sampling_params, request_id)
+            self._validate(prompt, sampling_params, request_id)
+        except RequestError as error:
+            self.service.rejected(self.api, error)
+            raise _http_error(error) from None
+        try:
+            admitted = await self.service.open(prepared, self.api)
         except RequestError as error:
             raise _http_error(error) from None
+        token_ids, stream = prepared.prompt_token_ids, prepared.stream
         text = prompt_text if prompt_text is not None else prompt.get("prompt")
         outputs = Outputs(request_id, token_ids, sampling_params, text)
         try:  # closing this generator (the client left) closes the request's legs at once
@@ -240,6 +279,19 @@ class PoolsEngineClient(EngineClient):
             raise _http_error(error) from None
         if not stream:
             yield outputs.final()
+
+    def _validate(self, prompt: Any, sampling_params: Any, request_id: str) -> None:
+        """vLLM's own checks, made where its engine client makes them, before any engine sees
+        the request (token ids within the vocabulary, logprobs within `max_logprobs`, the
+        prompt's length, the structured output's spec, …): refused here, a request takes no
+        slot and reaches no node, with vLLM's message."""
+        from vllm.exceptions import VLLMError
+
+        try:
+            processor = self.input_processor
+            processor.process_inputs(request_id, prompt, sampling_params, SUPPORTED_TASKS)
+        except (VLLMError, ValueError, TypeError, OverflowError) as error:
+            raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("pdserve serves generative models only")
@@ -328,13 +380,30 @@ async def build_face(client_factory: Any, args: argparse.Namespace) -> Any:
     from vllm.entrypoints.launchers.app import build_app
     from vllm.usage.usage_lib import UsageContext
 
+    root = logging.getLogger()
+    level = root.level  # building vLLM's server state leaves the root logger at ERROR
     vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config(
         UsageContext.OPENAI_API_SERVER
     )
     client = client_factory(vllm_config)
     app = build_app(args, SUPPORTED_TASKS, vllm_config.model_config)
     await init_app_state(client, app.state, args, SUPPORTED_TASKS)
+    root.setLevel(level)
+    for name in ("openai_serving_completion", "openai_serving_chat"):
+        serving = getattr(app.state, name, None)
+        if serving is not None:
+            serving.beam_search = _no_beam_search
     return app
+
+
+BEAM_SEARCH = "use_beam_search is not supported: beam search needs every beam on one engine"
+
+
+async def _no_beam_search(*args: Any, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+    """vLLM's serving layer runs beam search as one single-token request per beam and step:
+    over the pools each would be a prefill and a KV hand-over. Refused instead."""
+    raise GracefulHTTPError(BEAM_SEARCH, HTTPStatus.BAD_REQUEST)
+    yield  # pragma: no cover  (an async generator, as the serving layer iterates it)
 
 
 REPLACED_PATHS = frozenset({"/health", "/metrics"})
@@ -342,21 +411,103 @@ REPLACED_PATHS = frozenset({"/health", "/metrics"})
 metrics are the router's registry (vLLM's would be empty: no engine runs here)."""
 
 
-async def serve_app(service: Any, config: Any, model_dir: str, served: str) -> Any:
-    """The `face: vllm` app for `pdserve serve`: vLLM's OpenAI server over `service`, with the
-    engines' model settings, `router.vllm_args`, and the pools' operations routes."""
-    from router.openai_http import add_operations
-
-    flags = ["--dtype", config.engine.dtype, "--max-model-len", str(config.engine.max_model_len)]
-    if config.router.api_key:
-        flags += ["--api-key", config.router.api_key]
-    if config.router.enable_prompt_tokens_details:
+def front_flags(config: Any) -> list[str]:
+    """`vllm serve`'s flags for what the config already says: the engines' dtype, length and
+    reasoning parser, the key, prompt-token details — then the user's own
+    (`router.vllm_args`)."""
+    engine, router = config.engine, config.router
+    flags = ["--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len)]
+    if engine.reasoning_parser:
+        flags += ["--reasoning-parser", engine.reasoning_parser]
+    if router.api_key:
+        flags += ["--api-key", router.api_key]
+    if router.enable_prompt_tokens_details:
         flags.append("--enable-prompt-tokens-details")
-    args = vllm_args(model_dir, served, [*flags, *config.router.vllm_args])
+    return [*flags, *router.vllm_args]
+
+
+async def serve_app(service: Any, config: Any, model_dir: str, served: str) -> Any:
+    """`pdserve serve`'s HTTP app: vLLM's OpenAI server over `service`, with the engines' model
+    settings and `router.vllm_args`, the pools' operations routes, and the guard in front
+    (bounded bodies, the pools' gate)."""
+    router = config.router
+    args = vllm_args(model_dir, served, front_flags(config))
     app = await build_face(lambda vllm_config: PoolsEngineClient(service, vllm_config), args)
     app.router.routes = [
         route for route in app.router.routes if getattr(route, "path", None) not in REPLACED_PATHS
     ]
-    add_operations(app, service, config.router.api_key)
-    app.middleware_stack = None  # built again at the first request, with the handlers just added
+    add_operations(app, service, router.api_key)
+    app.middleware_stack = None  # built again at the first request, with what is added here
+    app.add_middleware(
+        Guard,
+        service=service,
+        api_key=router.api_key,
+        limit=router.max_request_bytes,
+        timeout_s=router.body_timeout_s,
+    )
     return app
+
+
+def _error(error: Any) -> RequestError:
+    """A vLLM `ErrorResponse` as the router's error."""
+    body = error.error
+    if body.code == HTTPStatus.NOT_FOUND:
+        return ModelNotFound(body.message, body.param)
+    cls = InvalidRequest if 400 <= body.code < 500 else RequestError
+    return cls(body.message, body.param)
+
+
+class Renderer:
+    """Renders an OpenAI-shaped body as vLLM's serving layer does for HTTP (the same
+    validation, chat template, defaults and `max_tokens`): the gRPC face's requests take the
+    path HTTP's take, up to `PoolsEngineClient`'s `prepare`."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    async def __call__(self, kind: str, body: dict[str, Any], request_id: str) -> PreparedRequest:
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.exceptions import VLLMError
+
+        chat = kind == "chat"
+        try:
+            if chat:
+                request = ChatCompletionRequest.model_validate(body)
+                serving = self.state.openai_serving_chat
+                rendered = await serving.render_chat_request(request)
+                limit = (
+                    request.max_completion_tokens
+                    if request.max_completion_tokens is not None
+                    else request.max_tokens
+                )
+            else:
+                request = CompletionRequest.model_validate(body)
+                serving = self.state.openai_serving_completion
+                rendered = await serving.render_completion_request(request)
+                limit = request.max_tokens
+            if isinstance(rendered, ErrorResponse):
+                raise _error(rendered)
+            inputs = rendered[1] if chat else rendered
+            if len(inputs) != 1:
+                raise InvalidRequest("a gRPC request carries one prompt")
+            (prompt,) = inputs
+            max_tokens = get_max_tokens(
+                serving.model_config.max_model_len,
+                limit,
+                len(prompt["prompt_token_ids"]),
+                serving.default_sampling_params,
+                serving.override_max_tokens,
+                truncate_prompt_tokens=request.truncate_prompt_tokens,
+            )
+            params = request.to_sampling_params(max_tokens, serving.default_sampling_params)
+        except ValidationError as error:
+            first = error.errors()[0] if error.errors() else {}
+            where = ".".join(str(part) for part in first.get("loc", ()))
+            raise InvalidRequest(f"{where}: {first.get('msg', error)}", where or None) from None
+        except (VLLMError, ValueError, TypeError, OverflowError) as error:
+            raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
+        return prepare(prompt, params, request_id)

@@ -111,6 +111,8 @@ def engine_kwargs(
         kwargs["long_prefill_token_threshold"] = engine.long_prefill_token_threshold
     if engine.block_size:
         kwargs["block_size"] = engine.block_size
+    if engine.reasoning_parser:
+        kwargs["reasoning_parser"] = engine.reasoning_parser
     if kv_transfer:
         from pdserve.kv.worker_extension import QUALNAME
 

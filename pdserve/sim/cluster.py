@@ -373,7 +373,6 @@ class Simulator:
         await asyncio.sleep(request.at_s - clock.now())
         prepared = PreparedRequest(
             f"sim-{request.index}",
-            "completion",
             # prompts of their own: the simulated engines keep no prefix cache, so no prompt
             # shares blocks with another one (router/prefixes.py would count them)
             [request.index + 1] + [0] * (request.prompt_tokens - 1),

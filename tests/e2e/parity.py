@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,7 +32,7 @@ GRAMMAR = 'root ::= ("yes" | "no") " because " [a-z ]{1,20}'
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # completion | chat
+    kind: str  # completion | chat | responses | tokenize | detokenize
     body: dict
     stream: bool = False
 
@@ -119,6 +120,26 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
             {"prompt": long_prompt[:300], "max_tokens": 4, "temperature": 0, "cache_salt": "b"},
         ),
         chat("tools", max_tokens=8, tools=[_TOOL], tool_choice="auto"),
+        chat("tools-auto-stream", True, max_tokens=24, tools=[_TOOL], tool_choice="auto"),
+        chat("tools-required", max_tokens=120, tools=[_TOOL], tool_choice="required"),
+        chat("tools-required-stream", True, max_tokens=120, tools=[_TOOL], tool_choice="required"),
+        chat("tools-named", max_tokens=120, tools=[_TOOL], tool_choice=_NAMED),
+        chat("tools-named-stream", True, max_tokens=120, tools=[_TOOL], tool_choice=_NAMED),
+        Case("responses", "responses", {"input": COMPLETION, **_RESPONSES}),
+        Case("responses-stream", "responses", {"input": COMPLETION, **_RESPONSES}, True),
+        Case(
+            "responses-chat",
+            "responses",
+            {"input": CHAT, "instructions": "Be brief.", **_RESPONSES},
+        ),
+        Case("tokenize", "tokenize", {"prompt": COMPLETION}),
+        Case("tokenize-chat", "tokenize", {"messages": CHAT, "add_generation_prompt": True}),
+        Case("detokenize", "detokenize", {"tokens": long_prompt[:40]}),
+        completion("priority", max_tokens=4, priority=3),
+        # refused by vLLM unless it is told to trust request templates: the same here
+        chat("request-chat-template", max_tokens=4, chat_template="{{ 'A' * 9 }}"),
+        chat("template-kwargs-template", max_tokens=4, chat_template_kwargs={"chat_template": "A"}),
+        chat("template-kwargs-tokenize", max_tokens=4, chat_template_kwargs={"tokenize": True}),
     ]
     if full:
         base += [
@@ -149,8 +170,44 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
 
 _TOOL = {
     "type": "function",
-    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
 }
+_NAMED = {"type": "function", "function": {"name": "weather"}}
+_RESPONSES = {"max_output_tokens": 16, "temperature": 0}
+
+TOOL_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+"""`vllm serve` flags every parity server gets (with `--chat-template`: tools_chat_template.jinja
+beside this file, the served model's own template shows the model no tools)."""
+TOOLS_TEMPLATE = Path(__file__).with_name("tools_chat_template.jinja")
+
+
+def reasoning_cases() -> list[Case]:
+    """The cases for servers with a reasoning parser (`--reasoning-parser granite`: it reads
+    plain text, "Here is my thought process: … Here is my response: …", so this model's
+    tokenizer serves)."""
+    asked = [
+        {
+            "role": "user",
+            "content": "Start with 'Here is my thought process:', think about Egypt, then write "
+            "'Here is my response:' and name its capital.",
+        }
+    ]
+    return [
+        chat("reasoning", max_tokens=48, messages=asked),
+        chat("reasoning-stream", True, max_tokens=48, messages=asked),
+        chat(
+            "reasoning-json", max_tokens=48, messages=asked, response_format={"type": "json_object"}
+        ),
+        completion("reasoning-choice", max_tokens=10, structured_outputs={"choice": ["yes", "no"]}),
+    ]
 
 
 def derived(reference: dict) -> list[Case]:
@@ -170,23 +227,69 @@ def derived(reference: dict) -> list[Case]:
     ]
 
 
+PATHS = {
+    "completion": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
+
+
 def send(url: str, case: Case) -> dict:
     """Send one case; returns what the client observes."""
-    path = "/v1/completions" if case.kind == "completion" else "/v1/chat/completions"
-    body = {**case.body, "stream": case.stream}
+    path = PATHS[case.kind]
+    body = {**case.body, "stream": case.stream} if case.kind in GENERATE else case.body
     with httpx.Client(base_url=url, timeout=300) as client:
         if not case.stream:
             response = client.post(path, json=body)
             if response.status_code != 200:
                 return {"status": response.status_code}
+            if case.kind not in GENERATE:
+                return {"status": 200, **response.json()}
+            if case.kind == "responses":
+                return observe_response(response.json())
             return observe(case.kind, response.json())
         with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 response.read()
                 return {"status": response.status_code}
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    if case.kind == "responses":
+        return observe_response_stream([json.loads(e) for e in events])
     assert events[-1] == "[DONE]", events[-3:]
     return observe_stream(case.kind, [json.loads(e) for e in events[:-1]])
+
+
+GENERATE = ("completion", "chat", "responses")
+
+
+def observe_response(body: dict) -> dict:
+    """A Responses API answer: its output items' kinds and texts, and its token counts (ids
+    are the server's own)."""
+    items = []
+    for item in body["output"]:
+        texts = [part.get("text") for part in item.get("content") or ()]
+        items.append((item["type"], texts))
+    usage = body.get("usage") or {}
+    return {
+        "status": 200,
+        "state": body["status"],
+        "output": items,
+        "usage": (usage.get("input_tokens"), usage.get("output_tokens")),
+    }
+
+
+def observe_response_stream(events: list[dict]) -> dict:
+    text = "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
+    done = [e["response"] for e in events if e.get("type") == "response.completed"]
+    final = observe_response(done[-1]) if done else None
+    return {
+        "status": 200,
+        "text": text,
+        "final": final,
+        "kinds": sorted({e["type"] for e in events}),
+    }
 
 
 def observe(kind: str, body: dict) -> dict:
@@ -199,6 +302,13 @@ def observe(kind: str, body: dict) -> dict:
             "stop_reason": choice.get("stop_reason"),
             "token_ids": choice.get("token_ids"),
         }
+        if kind == "chat":  # a call's id is the server's own: its name and arguments compare
+            message = choice["message"]
+            calls = message.get("tool_calls") or []
+            seen["tool_calls"] = [
+                (c["function"]["name"], c["function"]["arguments"]) for c in calls
+            ]
+            seen["reasoning"] = message.get("reasoning")
         seen.update(_logprobs(kind, choice.get("logprobs")))
         choices[choice["index"]] = seen
     prompt_logprobs = body.get("prompt_logprobs") or (
@@ -225,12 +335,22 @@ def observe_stream(kind: str, chunks: list[dict]) -> dict:
                     "stop_reason": None,
                     "tokens": [],
                     "values": [],
+                    "tool_calls": {},
+                    "reasoning": "",
                 },
             )
             if kind == "completion":
                 seen["text"] += choice.get("text") or ""
             else:
-                seen["text"] += (choice.get("delta") or {}).get("content") or ""
+                delta = choice.get("delta") or {}
+                seen["text"] += delta.get("content") or ""
+                seen["reasoning"] += delta.get("reasoning") or ""
+                for call in delta.get("tool_calls") or ():
+                    name, arguments = seen["tool_calls"].get(call["index"], ("", ""))
+                    function = call.get("function") or {}
+                    name += function.get("name") or ""
+                    arguments += function.get("arguments") or ""
+                    seen["tool_calls"][call["index"]] = (name, arguments)
             if choice.get("finish_reason"):
                 seen["finish_reason"] = choice["finish_reason"]
                 seen["stop_reason"] = choice.get("stop_reason")

@@ -17,40 +17,48 @@ from tests.e2e import parity
 from tests.e2e.conftest import finish_server, start_server
 
 FULL = os.environ.get("PDSERVE_PARITY") == "full"
-FACE = os.environ.get("PDSERVE_PARITY_FACE", "pdserve")
-"""`router.face` of both pdserve systems (`vllm`: vLLM's own OpenAI server over the pools)."""
 SYSTEMS = ("vllm", "colocated", "disaggregated")
 CONFIG = {
-    "colocated": "mode: colocated\nrouter: {enable_prompt_tokens_details: true}\n",
+    "colocated": {"mode": "colocated"},
     # every prompt across the seam (the adaptive default would keep short ones on one engine)
-    "disaggregated": "mode: disaggregated\n"
-    "router: {enable_prompt_tokens_details: true, placement: {mode: remote}}\n",
+    "disaggregated": {"mode": "disaggregated", "router": {"placement": {"mode": "remote"}}},
 }
+FLAGS = (*parity.TOOL_FLAGS, "--chat-template", str(parity.TOOLS_TEMPLATE))
+"""The front-end flags all three servers get, as a user's `vllm serve` line would carry them."""
 
 
-def _serve(system: str, model_dir, work):
-    """A context manager yielding the system's base URL."""
+def _serve(system: str, model_dir, work, reasoning_parser: str | None = None):
+    """A context manager yielding the system's base URL: plain vLLM, or pdserve with the same
+    `vllm serve` flags (`router.vllm_args`; the reasoning parser in `engine`)."""
     import contextlib
+
+    import yaml
 
     from pdserve.bench.compare import plain_vllm_server
 
     if system == "vllm":
+        more = ("--reasoning-parser", reasoning_parser) if reasoning_parser else ()
         return plain_vllm_server(
             model_dir,
             "SmolLM2-135M-Instruct",
             work,
             dtype="float32",
-            extra=("--enable-prompt-tokens-details",),
+            extra=("--enable-prompt-tokens-details", *FLAGS, *more),
         )
 
     @contextlib.contextmanager
     def pdserve():
-        config = work / "pdserve.yaml"
-        config.write_text(
-            CONFIG[system].replace("router: {", f"router: {{face: {FACE}, ")
-            + "engine: {dtype: float32}\n"
-        )
-        server = start_server(work, "--config", str(config))
+        config = {**CONFIG[system], "engine": {"dtype": "float32"}}
+        if reasoning_parser:
+            config["engine"]["reasoning_parser"] = reasoning_parser
+        config["router"] = {
+            **config.get("router", {}),
+            "enable_prompt_tokens_details": True,
+            "vllm_args": list(FLAGS),
+        }
+        path = work / "pdserve.yaml"
+        path.write_text(yaml.safe_dump(config))
+        server = start_server(work, "--config", str(path))
         try:
             yield server.url
         finally:
@@ -62,11 +70,9 @@ def _serve(system: str, model_dir, work):
 REFUSED = (
     ("kv_transfer_params", '{"do_remote_prefill": true, "remote_num_tokens": 1e400}'),
     ("vllm_xargs", '{"x": 1}'),
-    ("priority", "3"),
 )
-"""Fields plain vLLM accepts and pdserve refuses with a 400 naming them (router/fields.py)."""
-if FACE == "vllm":  # vLLM's face takes `priority` as vLLM does (ignored: the engines run FCFS)
-    REFUSED = tuple(refused for refused in REFUSED if refused[0] != "priority")
+"""Fields plain vLLM accepts and pdserve refuses with a 400 naming them: they are engine-internal
+(router/vllm_face.py)."""
 
 
 def _refusals(url: str) -> dict[str, tuple[int, str]]:
@@ -144,9 +150,43 @@ def test_the_cases_exercise_what_they_claim(answers):
     assert vllm["choice"]["choices"][0]["text"] in ("yes, it is", "no, it is not")
     texts = {c["text"] for c in vllm["n"]["choices"].values()}
     assert len(vllm["n"]["choices"]) == 3 and len(texts) > 1
-    assert vllm["tools"]["status"] == 400
+    for name in ("tools-required", "tools-named", "tools-required-stream", "tools-named-stream"):
+        choice = vllm[name]["choices"][0]
+        calls = choice["tool_calls"]
+        calls = list(calls.values()) if isinstance(calls, dict) else calls
+        assert calls and calls[0][0] == "weather", (name, choice)
+    assert vllm["responses"]["state"] == "completed" and vllm["responses"]["output"]
+    assert vllm["responses-stream"]["text"]
+    assert vllm["tokenize"]["count"] == len(vllm["tokenize"]["tokens"]) > 0
+    assert vllm["detokenize"]["prompt"]
+    assert vllm["priority"]["status"] == 200
+    assert vllm["request-chat-template"]["status"] == 400
+    assert vllm["template-kwargs-template"]["status"] == 400
     assert vllm["continuous-usage"]["usage_chunks"] > 2
     assert vllm["cached-tokens"]["usage"][2] >= 128
+
+
+REASONING = parity.reasoning_cases()
+
+
+@pytest.fixture(scope="module")
+def reasoning_answers(default_model_dir, tmp_path_factory):
+    """Plain vLLM and pdserve disaggregated, both with `--reasoning-parser granite`: the face
+    splits the reasoning out, and the engines start a structured output after it."""
+    seen = {}
+    for system in ("vllm", "disaggregated"):
+        work = tmp_path_factory.mktemp(f"parity-reasoning-{system}")
+        with _serve(system, default_model_dir, work, reasoning_parser="granite") as url:
+            seen[system] = {case.name: parity.send(url, case) for case in REASONING}
+    return seen
+
+
+@pytest.mark.parametrize("name", [case.name for case in REASONING])
+def test_same_reasoning_as_plain_vllm(reasoning_answers, name):
+    expected, got = reasoning_answers["vllm"][name], reasoning_answers["disaggregated"][name]
+    assert got["status"] == expected["status"], (got, expected)
+    problems = parity.differences(expected, got, name)
+    assert not problems, "\n".join(problems[:10])
 
 
 def test_refused_fields_are_named(answers):

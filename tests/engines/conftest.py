@@ -38,7 +38,7 @@ def corpus(tokenizer) -> list[int]:
 
     text = "\n\n".join(
         (REPO / name).read_text()
-        for name in ("docs/design.md", "pdserve/config.py", "router/frontend.py")
+        for name in ("docs/design.md", "pdserve/config.py", "router/vllm_face.py")
     )
     ids = tokenizer(text).input_ids
     assert len(ids) > 2600

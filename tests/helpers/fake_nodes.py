@@ -242,7 +242,6 @@ def prepared(
 ) -> PreparedRequest:
     return PreparedRequest(
         request_id="cmpl-test",
-        kind="completion",
         prompt_token_ids=list(range(1, prompt_len + 1)),
         sampling_params=sampling(max_tokens=max_tokens, **params),
         stream=stream,

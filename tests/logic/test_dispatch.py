@@ -292,24 +292,28 @@ async def test_a_caller_that_stops_listening_cancels_both_legs_counts_nothing_le
         assert pool.nodes[0].outstanding == 0 and pool.nodes[0].outstanding_prompt_tokens == 0
 
 
-class FakeFrontend:
-    served_name = "fake"
+class Service(RouterService):
+    """The router's service with the one request a face would have prepared."""
 
-    def __init__(self, request) -> None:
+    def __init__(self, request, *args) -> None:
+        super().__init__(*args)
         self.request = request
 
-    def prepare(self, kind, body):
-        if body.get("bad"):
-            raise InvalidRequest("bad request")
-        return self.request
+    async def take(self, request=None):
+        return await self.open(request or self.request, "http")
+
+    async def tokens(self, admitted) -> list[int]:
+        """A whole request's tokens, dropped and gathered again if it starts over."""
+        got: list[int] = []
+        async for delta in self.deltas(admitted):
+            got = [] if delta is RESTART else got + delta.token_ids
+        return got
 
 
-def service(dispatcher, request, limit: int = 1) -> RouterService:
+def service(dispatcher, request, limit: int = 1) -> Service:
     metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
     metrics.watch(dispatcher)
-    return RouterService(
-        FakeFrontend(request), dispatcher, metrics, Admission(limit), RetryPolicy(3), 30
-    )
+    return Service(request, dispatcher, metrics, Admission(limit), RetryPolicy(3), 30)
 
 
 def outcome(svc: RouterService, kind: str) -> float:
@@ -324,7 +328,7 @@ async def test_n_above_the_routers_bound_is_refused_and_gives_its_slot_back():
     node = FakeNode("c0")
     svc = service(colocated(node), prepared(max_tokens=2, stream=False, n=129))
     with pytest.raises(InvalidRequest, match=r"n must be at most 128 \(router.max_n\), got 129"):
-        await svc.open("completion", {}, "http")
+        await svc.take()
     assert svc.admission.outstanding == 0 and not node.calls
     assert outcome(svc, "invalid_request_error") == 1
 
@@ -342,32 +346,31 @@ async def test_a_non_streamed_response_too_large_to_hold_is_refused_before_it_ru
     node = FakeNode("c0")
     svc = service(colocated(node), prepared(**{"stream": False, **asked}))
     if not refused:
-        admitted = await svc.open("completion", {}, "http")
+        admitted = await svc.take()
         admitted.slot.release()
         return
     with pytest.raises(InvalidRequest, match=r"router.max_response_tokens\): stream it"):
-        await svc.open("completion", {}, "http")
+        await svc.take()
     assert svc.admission.outstanding == 0 and not node.calls
 
 
 async def test_admission_holds_a_slot_per_request_and_always_gives_it_back():
     svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=3, stream=False))
-    first = await svc.open("completion", {}, "http")
+    first = await svc.take()
     with pytest.raises(Overloaded, match="retry later"):
-        await svc.open("completion", {}, "http")
+        await svc.take()
     assert outcome(svc, "rate_limit_exceeded") == 1
-    got = await svc.collect(first)
-    assert got.sequences[0].token_ids == [100, 101, 102] and svc.admission.outstanding == 0
+    assert await svc.tokens(first) == [100, 101, 102] and svc.admission.outstanding == 0
     with pytest.raises(InvalidRequest):
-        await svc.open("completion", {"bad": True}, "http")
+        await svc.take(prepared(max_tokens=3, stream=False, n=129))
     assert outcome(svc, "invalid_request_error") == 1 and svc.admission.outstanding == 0
     assert outcome(svc, "success") == 1
 
 
 async def test_a_stream_abandoned_by_its_client_releases_its_slot_and_counts_as_cancelled():
     svc = service(colocated(FakeNode("c0", delay_s=0.01)), prepared(max_tokens=10))
-    request = await svc.open("completion", {}, "http")
-    stream = svc.stream(request)
+    request = await svc.take()
+    stream = svc.deltas(request)
     await anext(stream)
     await stream.aclose()
     assert svc.admission.outstanding == 0 and outcome(svc, "cancelled") == 1
@@ -380,8 +383,7 @@ async def test_a_stream_abandoned_by_its_client_releases_its_slot_and_counts_as_
 async def test_service_counts_retries_by_the_pool_whose_node_failed():
     dispatcher = disaggregated([FakeNode("p0", die_after=0), FakeNode("p1")], [FakeNode("d0")])
     svc = service(dispatcher, prepared(max_tokens=3, stream=False))
-    got = await svc.collect(await svc.open("completion", {}, "http"))
-    assert got.sequences[0].token_ids == [100, 101, 102]
+    assert await svc.tokens(await svc.take()) == [100, 101, 102]
     retries = svc.metrics.registry.get_sample_value(
         "pdserve_request_retries_total", {"pool": "prefill"}
     )

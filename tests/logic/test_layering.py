@@ -99,11 +99,7 @@ OUTSIDE_MARKERS = ("../" + "shared", "DESIGN" + ".md")
 plain search of the tree finds no such reference in this file either)."""
 
 ROUTER_EDGES = {
-    "frontend.py",
-    "fields.py",
     "openai_http.py",
-    "responses.py",
-    "logprobs.py",
     "grpc_api.py",
     "ray_nodes.py",
     "vllm_face.py",
@@ -196,7 +192,7 @@ def test_importing_the_router_loads_neither_ray_nor_vllm():
     code = (
         "import sys\n"
         "import router.service, router.dispatch, router.pools, router.retry, router.metrics\n"
-        "import router.frontend, router.openai_http\n"
+        "import router.openai_http, router.grpc_api\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY) - {'grpc'}!r}))"
     )
     done = subprocess.run(

@@ -100,7 +100,7 @@ async def test_a_conversations_next_turn_goes_back_to_its_decode_node(aware):
     from router.request import PreparedRequest
 
     def ask(prompt):
-        return PreparedRequest("cmpl-t", "completion", prompt, params, stream=True)
+        return PreparedRequest("cmpl-t", prompt, params, stream=True)
 
     first = list(range(1, 301))
     got = tokens(await collect(dispatcher, ask(first)))
@@ -161,7 +161,7 @@ async def conversations_on_two_decode_nodes(aware: bool, history: int) -> tuple[
         context = [10_000 + index] * history
         for _ in range(6):
             prompt = conversation_turn(context, 128)
-            ask = PreparedRequest("cmpl-t", "completion", prompt, sampling(max_tokens=8), True)
+            ask = PreparedRequest("cmpl-t", prompt, sampling(max_tokens=8), True)
             deltas = await collect(dispatcher, ask)
             (served,) = [f.name for f in decodes if any(c.prompt == prompt for c in f.calls)]
             nodes.setdefault(index, []).append(served)
@@ -211,12 +211,12 @@ async def test_a_prompt_the_decode_node_lacks_is_prefetched_its_next_turn_is_not
     prefill_node.info = replace(prefill_node.info, kv_host="127.9.0.1", kv_ports=(7100,))
     decode_node.info = replace(decode_node.info, prefetch=True)
     first = list(range(1, 301))  # two full blocks no node has seen
-    ask = PreparedRequest("cmpl-t", "completion", first, sampling(max_tokens=4), True)
+    ask = PreparedRequest("cmpl-t", first, sampling(max_tokens=4), True)
     answer = tokens(await collect(dispatcher, ask))
     await asyncio.sleep(0)
     assert len(d.prefetches) == 1  # the KV crosses while the prompt is computed
     second = conversation_turn(first + answer, 40)
-    ask = PreparedRequest("cmpl-t", "completion", second, sampling(max_tokens=4), True)
+    ask = PreparedRequest("cmpl-t", second, sampling(max_tokens=4), True)
     await collect(dispatcher, ask)
     await asyncio.sleep(0)
     assert len(d.prefetches) == 1  # it holds the history: the pull takes only what it lacks

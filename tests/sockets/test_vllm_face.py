@@ -4,6 +4,7 @@ layer validates, renders and shapes; pdserve's dispatch runs what it asks for.""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -32,6 +33,7 @@ TOOLS = [
 class Face:
     def __init__(self, http: httpx.AsyncClient, service: RouterService, nodes: dict) -> None:
         self.http, self.service, self.nodes = http, service, nodes
+        self.root_levels: tuple[int, int] = (0, 0)
 
     def calls(self) -> list:
         return [call for node in self.nodes.values() for call in node.calls]
@@ -53,21 +55,26 @@ async def face(default_model_dir):
     nodes = {"p0": FakeNode("p0"), "d0": FakeNode("d0")}
     dispatcher = disaggregated([nodes["p0"]], [nodes["d0"]])
     metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
-    service = RouterService(None, dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
+    service = RouterService(dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
     flags = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
     config = PDServeConfig.model_validate(
         {
             "engine": {"dtype": "float32"},
-            "router": {"face": "vllm", "vllm_args": flags, "api_key": KEY},
+            "router": {"vllm_args": flags, "api_key": KEY},
         }
     )
+    root = logging.getLogger()
+    level = root.level
     app = await serve_app(service, config, str(default_model_dir), "smol")
+    levels = (level, root.level)
     transport = httpx.ASGITransport(app=app)
     headers = {"authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(
         transport=transport, base_url="http://face", headers=headers
     ) as http:
-        yield Face(http, service, nodes)
+        face = Face(http, service, nodes)
+        face.root_levels = levels
+        yield face
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -185,3 +192,10 @@ async def test_the_key_health_and_metrics_are_the_pools(http, face):
     await http.post("/v1/completions", json={"model": "smol", "prompt": "hi", "max_tokens": 2})
     text = (await http.get("/metrics")).text
     assert 'pdserve_requests_total{api="http",outcome="success"}' in text
+
+
+async def test_building_the_face_leaves_the_routers_logging_alone(face):
+    """vLLM's server state sets the root logger to ERROR as it is built: the router's own
+    logs (ready, autoscale moves, node failures) would vanish."""
+    before, after = face.root_levels
+    assert after == before
