@@ -231,6 +231,15 @@ class PlacementConfig(_Strict):
     assumed_prefill_tokens_per_s: float = Field(1000.0, gt=0)
     """`adaptive` mode: the prefill rate assumed for a node until its engine has measured its
     own (any node's measured rate is used first)."""
+    spread_quiet_s: float = Field(0.0, ge=0)
+    """`adaptive` mode: while no prompt of `long_prompt_tokens` or more has arrived for this long,
+    nothing needs splitting: each request runs whole on the decode node or the prefill node the
+    pools chose, whichever holds more of its prompt, else has fewer requests open — both nodes
+    serve whole requests side by side, as two engines would. The first long prompt ends it (that
+    prompt, and every request for this long after it, placed by the rule above). 0: never."""
+    long_prompt_tokens: int = Field(512, gt=0)
+    """`adaptive` mode: a prompt this long stalls the streams of whichever node computes it; one
+    arriving ends the spread for `spread_quiet_s`."""
 
 
 class RouterTLSConfig(_Strict):
@@ -321,6 +330,10 @@ class RouterConfig(_Strict):
     stream_resume: bool = True
     """Continue a stream whose node failed mid-way on another node, from the tokens already
     sent (sampling without state only); off: such a stream ends with an explicit error."""
+    token_stream: Literal["direct", "ray"] = "direct"
+    """How tokens reach the router: `direct` — each node streams its requests' deltas on one TCP
+    connection to the router, one frame per engine step (Ray opens each request and stays the
+    control plane); `ray` — one Ray streaming call per request, an object per delta."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
     node_silence_s: float = Field(3.0, gt=0)
@@ -372,8 +385,9 @@ class KVTransferConfig(_Strict):
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = KV_DEFAULTS.host
-    """Address each prefill node's KV server binds to. "0.0.0.0" on a multi-host cluster: decode
-    nodes are then told the prefill host's Ray node address."""
+    """Address each prefill node's KV server and every node's token stream (the deltas the router
+    reads: router.token_stream) bind to. "0.0.0.0" on a multi-host cluster: decode nodes and the
+    router are then told the node host's Ray node address."""
     port: int = Field(KV_DEFAULTS.port, ge=0, le=65535)
     """First port of the KV servers (0: pick free ports)."""
     secret: str | None = None
@@ -395,7 +409,14 @@ class KVTransferConfig(_Strict):
 
     tls: KVTLSConfig | None = None
     """Mutual TLS on the `tcp` plane's connections (and the control connection of `nccl` and
-    `gloo`). None: plain TCP, authenticated by the cluster secret but not encrypted."""
+    `gloo`), and on every node's token stream to the router. None: plain TCP, authenticated by
+    the cluster secret but not encrypted."""
+
+    def tls_files(self) -> dict[str, str] | None:
+        """The TLS files the token streams use too (pdserve/engine/deltas.py); None: plain."""
+        if self.tls is None:
+            return None
+        return {name: getattr(self.tls, name) for name in ("cert_file", "key_file", "ca_file")}
 
     def connector_settings(
         self, secret: str, port: int, peer_hosts: tuple[str, ...] | None = None

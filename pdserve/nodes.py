@@ -104,7 +104,19 @@ def place_node(
         getattr(config.pools, pool),
         replica,
         kv_transfer=kv_transfer,
+        stream_host=config.kv_transfer.host,
+        stream_tls=config.kv_transfer.tls_files(),
     )
+
+
+def ray_node_client(config: PDServeConfig, actor: Any, name: str):
+    """The router's client for one node, its token stream as the config says."""
+    from pdserve.engine.deltas import client_tls
+    from router.ray_nodes import RayNodeClient
+
+    kv = config.kv_transfer
+    tls = client_tls(kv.tls_files(), kv.tls.check_hostname if kv.tls else True)
+    return RayNodeClient(actor, name, config.router.token_stream == "direct", tls)
 
 
 def place_pools(config: PDServeConfig, model_dir: str, served: str, secret: str) -> dict:
@@ -173,7 +185,6 @@ class RayNodeFactory:
 
     async def add(self, role: str):
         from router.nodes import Node
-        from router.ray_nodes import RayNodeClient
 
         replica, index = self._lowest_free(self.replicas[role]), self._lowest_free(self.indexes)
         actor = place_node(
@@ -190,7 +201,7 @@ class RayNodeFactory:
             self._stop(name)
             raise
         logger.info("%s engine %s up in %.1f s (pid %s)", role, info.name, info.start_s, info.pid)
-        return Node(info.name, RayNodeClient(actor), info)
+        return Node(info.name, ray_node_client(self.config, actor, info.name), info)
 
     async def remove(self, node) -> None:
         """Shut the node's engine down (it has drained), then end its actor."""

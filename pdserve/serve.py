@@ -22,7 +22,7 @@ import ray
 
 from pdserve.config import DEFAULT_MODEL, PDServeConfig
 from pdserve.model_prep import prepare_default_model
-from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools
+from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools, ray_node_client
 from pdserve.roofline.serving import default_chunk_size
 
 logger = logging.getLogger(__name__)
@@ -86,14 +86,13 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
     from router.placement import Placement
     from router.policies import make_policy
     from router.pools import Hearing, Pool
-    from router.ray_nodes import RayNodeClient
 
     hearing = Hearing()  # one for every pool: silence is judged against what the router hears
     built = {
         name: Pool(
             name,
             [
-                Node(info.name, RayNodeClient(actor), info)
+                Node(info.name, ray_node_client(config, actor, info.name), info)
                 for actor, info in zip(actors, infos[name], strict=True)
             ],
             make_policy(config.router.policy, role=name),

@@ -33,6 +33,14 @@ Three modes (`router.placement.mode`):
      a long prompt's whole prefill. The stall counts even on a node with no stream yet: the
      streams that start while it computes wait too.
   3. otherwise remote (`stall`, or `remote_faster`).
+  Before the rule, the spread: while no prompt of `long_prompt_tokens` or more has arrived for
+  `spread_quiet_s`, there is nothing to split off, and a request runs whole on whichever of the
+  pair holds more of its prompt, else has fewer requests open (`spread`, where the prompt is
+  computed on the node that decodes it: local). Two one-thread engines serving whole requests
+  side by side outrun one two-thread engine on short prompts (results/bench/sweep-direct), and a
+  split would give decode one of the two cores. The first long prompt ends the spread: it, and
+  every request for `spread_quiet_s` after it, are placed by the rule above, so the long prompt
+  stalls only the streams already on the node it runs on.
   Measured first with "local whenever it is no slower": short prompts all moved onto the decode
   node, whose one core then both prefilled and decoded, and the steady mix's capacity fell to
   0.6× the remote mode's (results/bench/sweep/README.md).
@@ -43,9 +51,11 @@ Decisions are counted in `pdserve_prefill_placements_total{where, reason}`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from router import clock
 from router.nodes import Node
 from router.rates import Window
 
@@ -56,6 +66,7 @@ DECISIONS: dict[str, dict[str, Where]] = {
     "remote": {"mode": REMOTE},
     "threshold": {"short": LOCAL, "long": REMOTE},
     "adaptive": {
+        "spread": LOCAL,
         "cached_prefix": LOCAL,
         "remote_in_time": REMOTE,
         "prefill_backlog": LOCAL,
@@ -134,6 +145,36 @@ class Placement:
         self.step_cap_tokens = step_cap_tokens
         self.handover_s = initial_handover_s
         """The hand-over gap estimate (H), until and between measurements."""
+        self.spread_quiet_s = getattr(settings, "spread_quiet_s", 0.0)
+        self.long_prompt_tokens = getattr(settings, "long_prompt_tokens", 0)
+        self.last_long_s = -math.inf
+        """When the last prompt of `long_prompt_tokens` or more arrived."""
+
+    def arrived(self, prompt_tokens: int) -> None:
+        """A request arrived (every request, whatever its route): a long prompt ends the
+        spread."""
+        if self.long_prompt_tokens and prompt_tokens >= self.long_prompt_tokens:
+            self.last_long_s = clock.now()
+
+    def spread(
+        self,
+        prompt_tokens: int,
+        decode: Node,
+        prefill: Node,
+        cached_decode: int = 0,
+        cached_prefill: int = 0,
+    ) -> Node | None:
+        """The node of the pair that serves the request whole while nothing needs splitting
+        (adaptive mode, no long prompt for `spread_quiet_s`); None: place it by the rule."""
+        if self.mode != "adaptive" or not self.spread_quiet_s:
+            return None
+        if prompt_tokens >= self.long_prompt_tokens:
+            return None
+        if clock.now() - self.last_long_s < self.spread_quiet_s:
+            return None
+        if cached_decode != cached_prefill:
+            return decode if cached_decode > cached_prefill else prefill
+        return prefill if prefill.outstanding < decode.outstanding else decode
 
     def observe_handover(self, seconds: float) -> None:
         self.handover_s += HANDOVER_WEIGHT * (seconds - self.handover_s)

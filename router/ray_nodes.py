@@ -1,4 +1,6 @@
-"""`NodeClient` over Ray: a node is an engine actor, its streaming methods Ray streaming calls.
+"""`NodeClient` over Ray: a node is an engine actor; its streams come over the node's token
+stream (router/token_stream.py: a Ray call opens each, the deltas arrive on one TCP connection
+per node) or, with `router.token_stream: ray`, as Ray streaming calls.
 
 Ray reports a dead or restarting actor as `ActorDiedError` / `ActorUnavailableError` (within
 milliseconds of the process dying); both become `NodeFailed`, and so does `EngineDown` (the
@@ -9,7 +11,9 @@ cancelled with `ray.cancel`: vLLM sees `CancelledError` and aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +23,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, TokenDelta
 from router.errors import NodeFailed
 from router.nodes import NodeClient
+from router.token_stream import CONNECT_S, TokenStream
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +31,49 @@ NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 class RayNodeClient(NodeClient):
-    def __init__(self, handle: Any) -> None:
+    def __init__(
+        self, handle: Any, name: str = "", direct: bool = True, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.handle = handle
+        self.name = name or str(handle)
+        self.tls = tls
+        """Mutual TLS on the token stream (the KV plane's files); None: plain TCP."""
+        self.direct = direct
+        """Deltas over the node's token stream; False: over Ray streaming calls."""
+        self._tokens: TokenStream | None = None
+        self._connecting = asyncio.Lock()
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
+        if not self.direct:
+            async for delta in self._ray_stream(method, *args):
+                yield delta
+            return
+        try:
+            tokens = await self._token_stream()
+
+            def call(key: bytes, tag: int) -> Any:
+                return self.handle.relay.remote(key, tag, method, *args)
+
+            async for delta in tokens.stream(call, ray.cancel):
+                yield delta
+        except NODE_FAILURES as error:
+            raise NodeFailed(type(error).__name__, died=isinstance(error, ActorDiedError)) from None
+        except EngineDown as error:
+            raise NodeFailed(error.message, died=True) from None
+
+    async def _token_stream(self) -> TokenStream:
+        """The open connection to the node's token stream, opened (again) when there is none."""
+        async with self._connecting:
+            if self._tokens is None or self._tokens.broken:
+                try:
+                    async with asyncio.timeout(CONNECT_S):
+                        host, port = await self.handle.delta_endpoint.remote()
+                except TimeoutError:
+                    raise NodeFailed(f"{self.name} did not say where its token stream is") from None
+                self._tokens = await TokenStream.connect(self.name, host, port, self.tls)
+            return self._tokens
+
+    async def _ray_stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
         call = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
         ended = False  # the node's generator ran out: nothing left there to cancel
         try:
@@ -69,6 +113,8 @@ class RayNodeClient(NodeClient):
         await self._call("drop_engine")
 
     async def shutdown(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
         await self._call("shutdown")
 
     async def step_records(self, seen: int = 0) -> dict[str, Any]:

@@ -14,8 +14,9 @@ Disaggregated, in this order:
    prompt logprobs need the engine that computes the prompt, so the decode node serves it whole
    (`one_engine`); with no healthy prefill node the decode node prefills for itself
    (`no_prefill_node`, a 503 instead with `router.prefill_fallback` off); otherwise a prefill
-   node is chosen (its pool's policy) and `router/placement.py` decides local or remote for
-   that pair (its reasons: `mode`, `short`, `long`, `cached_prefix`, `remote_in_time`,
+   node is chosen (its pool's policy) and `router/placement.py` decides for that pair: while
+   nothing needs splitting, one of the two serves it whole (`spread`); else local or remote
+   (its reasons: `mode`, `short`, `long`, `cached_prefix`, `remote_in_time`,
    `prefill_backlog`, `remote_faster`, `stall`).
 With a prompt's `Prefix`, each pool's choice weighs what its nodes hold of the prompt
 (router/policies.py, `choose_for`), and placement compares the tokens each side would compute.
@@ -119,6 +120,7 @@ class Routing:
 
         if self.prefill is None:
             return whole(self.decode, "colocated")
+        self.placement.arrived(prompt_tokens)
         prefill = self.prefill.healthy_nodes()
         no_decode = not self.decode.healthy_nodes()
         if prefill and (no_decode or params.max_tokens == 1):
@@ -133,6 +135,11 @@ class Routing:
             return whole(self.decode, "no_prefill_node", decode)
         target = self.prefill.pick(prefix=prefix)
         cached_d, cached_p = decode.cached_tokens(prefix), target.cached_tokens(prefix)
+        spread = self.placement.spread(prompt_tokens, decode, target, cached_d, cached_p)
+        if spread is target:
+            return whole(self.prefill, "spread", target)
+        if spread is decode:
+            return whole(self.decode, "spread", decode)
         decision = self.placement.decide(prompt_tokens, decode, target, cached_d, cached_p)
         if decision.where == LOCAL:
             return whole(self.decode, decision.reason, decode, estimate=decision.estimate)

@@ -21,11 +21,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import ray
 
 from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
+from pdserve.engine.deltas import END, DeltaServer, ending, server_tls
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve.engine.types import (
     CACHE_SALT_ARG,
@@ -121,11 +123,17 @@ def engine_kwargs(
     return kwargs
 
 
+def _advertised_host(host: str) -> str:
+    """The address peers reach a server bound to `host` at: this host's Ray node address for
+    every interface."""
+    return ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+
+
 def _advertised(kv_transfer: dict[str, Any]) -> dict[str, Any]:
     """A KV server bound to every interface tells decode nodes this host's cluster address."""
     extra = dict(kv_transfer.get("kv_connector_extra_config") or {})
     if extra.get("host") in ("0.0.0.0", "::") and not extra.get("advertise_host"):
-        extra["advertise_host"] = ray.util.get_node_ip_address()
+        extra["advertise_host"] = _advertised_host(extra["host"])
     return {**kv_transfer, "kv_connector_extra_config": extra}
 
 
@@ -136,7 +144,12 @@ class EngineActor:
     """The pool role this class serves (its step-time calibration is looked up by it)."""
 
     def __init__(
-        self, name: str, engine_args: dict[str, Any], peaks: dict[str, Any] | None = None
+        self,
+        name: str,
+        engine_args: dict[str, Any],
+        peaks: dict[str, Any] | None = None,
+        stream_host: str = "127.0.0.1",
+        stream_tls: dict[str, str] | None = None,
     ) -> None:
         self._name = name
         self._engine_args = engine_args
@@ -146,6 +159,13 @@ class EngineActor:
         self._collector = StatsCollector(self._stats)
         self._gpu: GpuSampler | None = None
         self._max_num_batched_tokens = 0
+        self._deltas = DeltaServer(name)
+        self._stream_host = stream_host
+        """Where the token stream listens ("0.0.0.0": every interface, the Ray node's address
+        told to routers)."""
+        self._stream_tls = stream_tls
+        """The KV plane's TLS files: the token stream is mutual TLS with them (None: TCP)."""
+        self._stream_context = None
 
     async def start(self) -> NodeInfo:
         """Build the vLLM engine; returns what the router needs to know about it."""
@@ -153,6 +173,7 @@ class EngineActor:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = time.monotonic()
+        self._stream_context = server_tls(self._stream_tls)  # a bad file fails the start here
         kwargs = dict(self._engine_args)
         if kwargs.get("kv_transfer_config"):
             from vllm.config import KVTransferConfig
@@ -226,6 +247,37 @@ class EngineActor:
         """A whole request on this engine: prefill and decode."""
         async for delta in self._run(request_id, prompt_token_ids, sampling_params):
             yield delta
+
+    RELAYED = frozenset({"generate", "prefill", "decode"})
+    """The streaming methods a router may open through `relay`."""
+
+    async def delta_endpoint(self) -> tuple[str, int]:
+        """Where a router connects for its token stream (pdserve/engine/deltas.py)."""
+        host = self._stream_host
+        if self._stream_tls and self._stream_context is None:
+            self._stream_context = server_tls(self._stream_tls)
+        return await self._deltas.endpoint(host, _advertised_host(host), self._stream_context)
+
+    async def relay(self, key: bytes, tag: int, method: str, *args: Any) -> None:
+        """Run one of the streaming methods and send its deltas on the router's token stream
+        `key` under `tag`, then `END` or the exception that ended it. The router cancels this
+        call to stop the request (vLLM aborts it and frees its blocks)."""
+        if method not in self.RELAYED or not hasattr(self, method):
+            raise ValueError(f"{self._name} has no streaming method {method!r}")
+        channel = self._deltas.channel(key)
+        try:
+            async with aclosing(getattr(self, method)(*args)) as deltas:
+                async for delta in deltas:
+                    channel.send(tag, delta)
+                    if channel.congested:
+                        await channel.drain()
+                    if channel.closed:  # the router is gone: nobody reads this request
+                        logger.info("%s: %s's router left; stopping it", self._name, args[0])
+                        return
+        except Exception as error:  # the request's end, told in order after its deltas
+            channel.send(tag, ending(error, f"{method} on {self._name}"))
+            return
+        channel.send(tag, END)
 
     async def _run(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
@@ -345,6 +397,7 @@ class EngineActor:
         return stats
 
     async def shutdown(self) -> None:
+        self._deltas.close()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -359,6 +412,8 @@ def create_engine_actor(
     pool: PoolConfig,
     replica: int,
     kv_transfer: dict[str, Any] | None = None,
+    stream_host: str = "127.0.0.1",
+    stream_tls: dict[str, str] | None = None,
 ):
     """Place one engine actor (`actor_class`: EngineActor or a role's subclass) with the pool's
     Ray resources and restart budget; call `.start.remote()` next."""
@@ -384,5 +439,11 @@ def create_engine_actor(
             max_concurrency=1000,
             runtime_env={"env_vars": env},
         )
-        .remote(name, engine_kwargs(model, engine, served_name, kv_transfer), peaks)
+        .remote(
+            name,
+            engine_kwargs(model, engine, served_name, kv_transfer),
+            peaks,
+            stream_host,
+            stream_tls,
+        )
     )

@@ -21,7 +21,7 @@ ALLOWED = {
     "pdserve.tls": set(),
     "pdserve.kv": {"pdserve_proto", "pdserve.tls"},
     "pdserve.config": {"pdserve.kv", "pdserve.roofline", "pdserve.tls"},
-    "pdserve.engine": {"pdserve.config", "pdserve.kv", "pdserve.roofline"},
+    "pdserve.engine": {"pdserve.config", "pdserve.kv", "pdserve.roofline", "pdserve.tls"},
     "prefill_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "decode_node": {"pdserve.config", "pdserve.engine", "pdserve.kv", "pdserve_proto"},
     "router": {"pdserve.engine", "pdserve.kv", "pdserve.tls", "pdserve_proto"},

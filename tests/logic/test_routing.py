@@ -81,3 +81,49 @@ def test_only_the_placement_rules_reasons_count_as_placements():
     assert r.route(8, sampling(max_tokens=8)).placed("threshold")
     assert not r.route(8, sampling(max_tokens=1)).placed("threshold")
     assert not routing([]).route(8, sampling(max_tokens=8)).placed("adaptive")
+
+
+def spreading(monkeypatch, prefill=(), decode=(), quiet_s=30.0) -> tuple[Routing, list[float]]:
+    """A routing whose placement spreads while quiet, on a clock the test moves."""
+    now = [1000.0]
+    monkeypatch.setattr("router.clock.now", lambda: now[0])
+    r = Routing(
+        pool("decode", *(decode or [node("d0")])),
+        pool("prefill", *(prefill or [node("p0")])),
+        placement_rule("adaptive", spread_quiet_s=quiet_s, long_prompt_tokens=512),
+    )
+    return r, now
+
+
+def test_while_no_long_prompt_arrives_both_nodes_serve_whole_requests_by_load(monkeypatch):
+    d0, p0 = node("d0", outstanding=2), node("p0", outstanding=1)
+    r, now = spreading(monkeypatch, [p0], [d0])
+    plain = sampling(max_tokens=8)
+    first = r.route(128, plain)
+    assert (first.legs(), first.reason, first.placed("adaptive")) == (
+        [("prefill", "p0")],
+        "spread",
+        True,
+    )
+    p0.outstanding = 3  # now the decode node has fewer open
+    assert r.route(128, plain).legs() == [("decode", "d0")]
+    # a long prompt ends the spread: it and what follows for 30 s are placed by the rule
+    long = r.route(1536, plain)
+    assert long.split and long.reason == "stall"  # 1.5 s of prompt would stall d0
+    now[0] += 29.0
+    assert r.route(128, plain).split
+    now[0] += 2.0
+    assert r.route(128, plain).reason == "spread"
+
+
+def test_the_spread_goes_where_the_prompt_is_cached_and_is_off_by_default(monkeypatch):
+    from router.prefixes import Prefix
+
+    d0, p0 = node("d0", outstanding=5), node("p0")
+    r, _ = spreading(monkeypatch, [p0], [d0])
+    prefix = Prefix(list(range(256)))
+    d0.prefixes.record(d0.info, prefix)
+    route = r.route(256, sampling(max_tokens=8), prefix)
+    assert (route.legs(), route.reason) == ([("decode", "d0")], "spread")  # its history is there
+    off = routing([node("p0")], [node("d0", outstanding=3)])
+    assert off.route(128, sampling(max_tokens=8)).reason == "remote_in_time"

@@ -1,0 +1,131 @@
+"""The router's end of a node's token stream (pdserve/engine/deltas.py): one TCP connection per
+node, its frames split into per-request queues.
+
+A stream opened here is a Ray call (`relay`) that carries the request to the node and a tag that
+names its queue; the deltas arrive on the connection, in order, ended by `END` or the exception
+the node's stream ended with. The Ray call's own end only matters when it fails — the actor died
+or could not start the stream — and then it ends the stream too. A connection that breaks ends
+every stream on it with `NodeFailed`; the next stream opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pdserve.engine.deltas import ACK, END, KEY_BYTES, MAX_FRAME, new_key, tune
+from router.errors import NodeFailed
+
+logger = logging.getLogger(__name__)
+
+CONNECT_S = 10.0
+"""Connecting and hearing the node's acknowledgement, at most."""
+LOST = object()
+"""Queued to every stream of a connection that broke."""
+CALL_ENDED = object()
+"""Queued to a stream when its Ray call returned (or failed)."""
+
+
+class TokenStream:
+    """One connection to one node, shared by every stream the router has open there."""
+
+    def __init__(
+        self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes
+    ) -> None:
+        self.name = name
+        self.key = key
+        self._writer = writer
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._next_tag = 0
+        self.broken: str | None = None
+        self._reading = asyncio.get_running_loop().create_task(self._read(reader))
+
+    @classmethod
+    async def connect(
+        cls, name: str, host: str, port: int, tls: ssl.SSLContext | None = None
+    ) -> TokenStream:
+        key = new_key()
+        try:
+            async with asyncio.timeout(CONNECT_S):
+                reader, writer = await asyncio.open_connection(host, port, ssl=tls)
+                tune(writer.get_extra_info("socket"))
+                writer.write(key)
+                if await reader.readexactly(len(ACK)) != ACK:
+                    raise ConnectionError("no acknowledgement")
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as error:  # ssl.SSLError too
+            raise NodeFailed(
+                f"cannot open the token stream to {name} at {host}:{port}: {error!r}"
+            ) from None
+        assert len(key) == KEY_BYTES
+        logger.info("token stream to %s open (%s:%d)", name, host, port)
+        return cls(name, reader, writer, key)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                size = int.from_bytes(await reader.readexactly(4), "big")
+                if size > MAX_FRAME:
+                    raise ConnectionError(f"a {size}-byte frame")
+                for tag, item in pickle.loads(await reader.readexactly(size)):
+                    queue = self._queues.get(tag)
+                    if queue is not None:  # else a stream the router has left already
+                        queue.put_nowait(item)
+        except asyncio.CancelledError:
+            self.broken = "closed by the router"
+            raise
+        except Exception as error:  # EOF, reset, a frame that does not unpickle
+            self.broken = f"token stream from {self.name} lost: {error!r}"
+            logger.warning("%s", self.broken)
+        finally:
+            for queue in self._queues.values():
+                queue.put_nowait(LOST)
+            self._writer.close()
+
+    async def stream(
+        self, call: Callable[[bytes, int], Awaitable[Any]], cancel: Callable[[Any], None]
+    ) -> AsyncIterator[Any]:
+        """Open one stream: `call(key, tag)` starts the node's relay (a Ray ObjectRef);
+        `cancel(ref)` stops it when the caller leaves before its end. Yields the deltas; raises
+        what the node's stream ended with, or `NodeFailed` when the node or the connection is
+        lost."""
+        if self.broken:
+            raise NodeFailed(self.broken)
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[tag] = queue
+        ref = call(self.key, tag)
+        done = asyncio.ensure_future(ref)
+        done.add_done_callback(lambda _: queue.put_nowait(CALL_ENDED))
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is END:
+                    ended = True
+                    return
+                if item is CALL_ENDED:
+                    if done.cancelled() or done.exception() is None:
+                        continue  # the relay returned: its END is on the connection
+                    ended = True
+                    raise done.exception()
+                if item is LOST:
+                    raise NodeFailed(self.broken or f"token stream from {self.name} lost")
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield item
+        finally:
+            del self._queues[tag]
+            if not ended:
+                cancel(ref)
+            if not done.done():
+                done.cancel()
+            elif not done.cancelled():
+                done.exception()  # seen: not "never retrieved"
+
+    def close(self) -> None:
+        self._reading.cancel()

@@ -1,0 +1,233 @@
+"""The token path (pdserve/engine/deltas.py, router/token_stream.py) between a real Ray actor and
+the router's client, over a real loopback socket: the engine actor's relay with its streaming
+methods replaced by scripted ones (no vLLM).
+
+One Ray for the whole file, in a subprocess: each check prints one line, the test asserts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sockets
+
+SCRIPT = r"""
+import asyncio, json, os, socket, time
+import ray
+from pdserve.engine.deltas import client_tls
+from pdserve.engine.actor import EngineActor
+from pdserve.engine.types import RequestRejected, TokenDelta
+from router.errors import NodeFailed
+from router.ray_nodes import RayNodeClient
+
+
+class Scripted(EngineActor):
+    # the streaming methods of a node, scripted
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.cancelled = 0
+
+    async def generate(self, request_id, count, pause=0.0, fail_after=None):
+        try:
+            for i in range(count):
+                if fail_after is not None and i == fail_after:
+                    raise RequestRejected(f"{request_id}: refused after {i}")
+                yield TokenDelta([i], str(i), finish_reason="length" if i == count - 1 else None)
+                await asyncio.sleep(pause)
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled, or closed by the relay
+            self.cancelled += 1
+            raise
+
+    async def prefill(self, request_id, what):
+        if what == "crash":
+            yield TokenDelta([0], "0")
+            raise KeyError("not picklable in the router? it is turned into RuntimeError")
+        yield TokenDelta([0], "0", finish_reason="length")
+
+    async def counts(self):
+        channels = list(self._deltas.channels.values())
+        return (
+            self.cancelled,
+            sum(c.frames_sent for c in channels),
+            sum(c.items_sent for c in channels),
+            len(channels),
+        )
+
+
+async def collect(stream):
+    return [d.token_ids[0] async for d in stream]
+
+
+async def main():
+    scripted = ray.remote(Scripted).options(max_concurrency=100)
+    actor = scripted.remote("node-a", {}, None, "127.0.0.1")
+    client = RayNodeClient(actor, "node-a")
+
+    # 1. in order, to its end
+    got = await collect(client.stream("generate", "r1", 5))
+    print("ORDER", got == [0, 1, 2, 3, 4])
+
+    # 2. many streams at once share frames: one loop turn's deltas leave together
+    _, frames0, items0, _ = await actor.counts.remote()
+    streams = [client.stream("generate", f"m{i}", 20, 0.01) for i in range(16)]
+    results = await asyncio.gather(*map(collect, streams))
+    _, frames1, items1, channels = await actor.counts.remote()
+    items, frames = items1 - items0, frames1 - frames0
+    whole = all(r == list(range(20)) for r in results)
+    print("MANY", whole, items == 16 * 21, frames < items / 3, channels == 1, items, frames)
+
+    # 3. the node's refusal arrives after the deltas before it, as itself
+    seen = []
+    try:
+        async for d in client.stream("generate", "r3", 5, 0.0, 2):
+            seen.append(d.token_ids[0])
+        print("REFUSED", False)
+    except RequestRejected as error:
+        print("REFUSED", seen == [0, 1] and "refused after 2" in str(error))
+
+    # 4. anything else the node raises arrives as a RuntimeError naming it
+    try:
+        await collect(client.stream("prefill", "r4", "crash"))
+        print("OTHER", False)
+    except RuntimeError as error:
+        print("OTHER", "KeyError" in str(error) and "node-a" in str(error))
+
+    # 5. a method that is not a stream is refused by the node
+    try:
+        await collect(client.stream("counts"))
+        print("METHOD", False)
+    except Exception as error:
+        print("METHOD", "no streaming method" in str(error))
+
+    # 6. the caller leaving cancels the request on the node
+    stream = client.stream("generate", "r6", 1000, 0.05)
+    await anext(stream)
+    await stream.aclose()
+    deadline = time.monotonic() + 30
+    while (await actor.counts.remote())[0] == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    print("CANCELLED", (await actor.counts.remote())[0] == 1)
+
+    # 6b. the router's connection breaks (the router died): the node stops the request
+    gone = RayNodeClient(actor, "node-a")
+    orphan = gone.stream("generate", "r6b", 1000, 0.05)
+    await anext(orphan)
+    gone._tokens._writer.transport.abort()
+    deadline = time.monotonic() + 30
+    while (await actor.counts.remote())[0] < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    print("ROUTER_GONE", (await actor.counts.remote())[0] == 2)
+    try:
+        await anext(orphan)
+        print("ORPHAN", False)
+    except NodeFailed:
+        print("ORPHAN", True)
+
+    # 7. hostile peers: one that never names a channel, one that names a wrong one
+    host, port = await actor.delta_endpoint.remote()
+    silent = socket.create_connection((host, port))
+    wrong = socket.create_connection((host, port))
+    wrong.sendall(b"x" * 32)
+    wrong.settimeout(5)
+    ack = wrong.recv(1)
+    try:
+        await collect(client.stream("generate", "r7", 3))  # others' streams are unaffected
+        print("HOSTILE", ack == b"\x01")
+    except Exception as error:
+        print("HOSTILE", False, repr(error))
+    other = RayNodeClient(actor, "node-a")
+    other_stream = await other._token_stream()
+    try:  # a key the node never saw: refused by the node, not streamed elsewhere
+        def stranger(key, tag):
+            return actor.relay.remote(b"y" * 32, tag, "generate", "r7b", 3)
+
+        await collect(other_stream.stream(stranger, ray.cancel))
+        print("UNKNOWN_KEY", False)
+    except Exception as error:
+        print("UNKNOWN_KEY", "no token stream open" in str(error))
+    silent.close(); wrong.close()
+
+    # 7b. mutual TLS (the KV plane's files): a router with the cluster's certificate streams; one
+    # without TLS, or with a certificate another CA signed, is refused
+    files, stranger_files = json.loads(os.environ["CERTS"])
+    secure = scripted.remote("node-b", {}, None, "127.0.0.1", files)
+    trusted = RayNodeClient(secure, "node-b", tls=client_tls(files))
+    ok = await collect(trusted.stream("generate", "t", 3))
+    refused = []
+    for tls in (None, client_tls(stranger_files)):
+        try:
+            await collect(RayNodeClient(secure, "node-b", tls=tls).stream("generate", "t2", 3))
+            refused.append(False)
+        except NodeFailed as error:
+            refused.append("token stream" in str(error))
+    print("TLS", ok == [0, 1, 2], *refused)
+
+
+    # 8. the node dies mid-stream: the stream ends with NodeFailed, at once
+    stream = client.stream("generate", "r8", 1000, 0.05)
+    await anext(stream)
+    ray.kill(actor)
+    started = time.monotonic()
+    try:
+        async for _ in stream:
+            pass
+        print("DIED", False)
+    except NodeFailed as error:
+        print("DIED", time.monotonic() - started < 10)
+
+ray.init(num_cpus=2, include_dashboard=False)
+asyncio.run(main())
+ray.shutdown()
+"""
+
+CHECKS = (
+    "ORDER",
+    "MANY",
+    "REFUSED",
+    "OTHER",
+    "METHOD",
+    "CANCELLED",
+    "ROUTER_GONE",
+    "ORPHAN",
+    "HOSTILE",
+    "UNKNOWN_KEY",
+    "TLS",
+    "DIED",
+)
+
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory) -> dict[str, str]:
+    from tests.helpers.certs import issue
+
+    folder = tmp_path_factory.mktemp("certs")
+    certs = [vars(issue(folder / name)) for name in ("cluster", "stranger")]
+    with tempfile.TemporaryDirectory(prefix="pdr-", dir="/tmp") as short:  # socket paths: short
+        env = dict(os.environ, RAY_TMPDIR=short, RAY_AUTH_MODE="disabled", CERTS=json.dumps(certs))
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    lines = {}
+    for line in done.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        lines[word] = rest
+    assert done.returncode == 0, done.stderr[-3000:]
+    return lines
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_token_stream(printed, check):
+    assert check in printed, f"{check} never ran: {printed}"
+    assert "False" not in printed[check] and printed[check].strip(), printed[check]
