@@ -26,6 +26,9 @@ CONNECT_S = 10.0
 """Connecting and hearing the node's acknowledgement, at most."""
 LOST = object()
 """Queued to every stream of a connection that broke."""
+DEATH_NOTICE_S = 2.0
+"""How long a stream whose connection broke waits for its Ray call's end (an actor's death is
+known to Ray within milliseconds; a link that failed leaves the call running)."""
 CALL_ENDED = object()
 """Queued to a stream when its Ray call returned (or failed)."""
 
@@ -113,6 +116,12 @@ class TokenStream:
                     ended = True
                     raise done.exception()
                 if item is LOST:
+                    # an actor that died closes its connection before Ray says so: wait a
+                    # moment for Ray's word, which tells a death from a lost link
+                    error = await _call_error(done)
+                    if error is not None:
+                        ended = True
+                        raise error
                     raise NodeFailed(self.broken or f"token stream from {self.name} lost")
                 if isinstance(item, BaseException):
                     ended = True
@@ -129,3 +138,17 @@ class TokenStream:
 
     def close(self) -> None:
         self._reading.cancel()
+
+
+async def _call_error(done: asyncio.Future) -> BaseException | None:
+    """The exception the stream's Ray call ended with, if it ends within `DEATH_NOTICE_S`."""
+    if done.cancelled():
+        return None
+    try:
+        async with asyncio.timeout(DEATH_NOTICE_S):
+            await asyncio.shield(done)
+    except TimeoutError:
+        return None
+    except Exception as error:
+        return error
+    return None
