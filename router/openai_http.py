@@ -5,6 +5,7 @@ front of it (`Guard`: bounded bodies, the pools' gate) and the routes the pools 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from contextvars import ContextVar
 from http import HTTPStatus
@@ -63,6 +64,20 @@ def counted() -> None:
         request["counted"] = True
 
 
+REFUSED_FIELDS = frozenset({"kv_transfer_params", "vllm_xargs"})
+"""Fields the router refuses from every client (router/vllm_face.py, `prepare`)."""
+
+
+def runnable(body: bytes) -> bool:
+    """Whether a generation request's body could reach the pools: a JSON object without a field
+    the router refuses."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and not REFUSED_FIELDS & data.keys()
+
+
 class Guard:
     """ASGI middleware in front of the OpenAI server:
 
@@ -72,7 +87,8 @@ class Guard:
       `timeout_s` (408), before the server sees it;
     - a generation request meets the pools' gate (`service.gate`): 429 with
       Retry-After when the router is full, 503 when no node can serve — answered before the
-      server starts a stream, so a streamed request gets its status as a whole one does. (A
+      server starts a stream, so a streamed request gets its status as a whole one does; a body
+      no node would run (not a JSON object, a refused field) goes on to its 400 instead. (A
       request that passes the gate and then finds the router full or the pools gone still gets
       the error, as an error event in its stream.)
     - a generation request vLLM's layer refuses before it reaches the pools (bad fields, an
@@ -100,7 +116,7 @@ class Guard:
             if reads:
                 body = await self._body(headers, receive)
                 if scope["path"] in GENERATION_PATHS:
-                    self.service.gate()
+                    self._gate(body)
         except RequestError as error:
             self.service.rejected("http", error)
             await _error_response(error)(scope, receive, send)
@@ -135,6 +151,17 @@ class Guard:
             status = request["status"]
             if not request["counted"] and status is not None and status >= 400:
                 self.service.rejected("http", for_status(status))
+
+    def _gate(self, body: bytes) -> None:
+        """The pools' gate, for a body the pools could run. A body no node would ever run (not
+        a JSON object, or carrying a field the router refuses) passes on to be refused as the
+        client's mistake (400), whatever the pools' state: a bad request learns that it is bad,
+        not that the service is down. The body is parsed here only when the gate refuses."""
+        try:
+            self.service.gate()
+        except RequestError:
+            if runnable(body):
+                raise
 
     async def _body(self, headers: dict, receive: Any) -> bytes:
         declared = (headers.get(b"content-length") or b"").decode("latin-1")

@@ -1,15 +1,20 @@
 """A vLLM `AsyncLLM` hosted in a Ray actor: what every node of every pool is made of.
 
 Life of a request through an engine actor:
-1. The router opens one of the actor's streaming methods as a Ray streaming call with
-   (request_id, token_ids, params): `generate` here serves a whole request (colocated nodes, and
-   a decode node prefilling for itself); the roles add theirs — `PrefillNode.prefill`
-   (prefill_node/node.py) and `DecodeNode.decode` (decode_node/node.py). The prompt is already
-   tokenized, so the engine never re-tokenizes or re-applies a template.
-2. vLLM runs it with `RequestOutputKind.DELTA`; the actor yields one `TokenDelta` per engine
-   output: the new token ids, their text, and on the last one the finish reason.
-3. If the caller cancels the stream (client gone, deadline), Ray cancels the task, vLLM's
-   `generate` sees `CancelledError` and aborts the request, which frees its KV blocks.
+1. The router opens one of the actor's streaming methods through `relay`, one Ray call per
+   request or leg, with (request_id, token_ids, params): `generate` here serves a whole request
+   (colocated nodes, and a decode node prefilling for itself); the roles add theirs —
+   `PrefillNode.prefill` (prefill_node/node.py) and `DecodeNode.decode` (decode_node/node.py).
+   The prompt is already tokenized, so the engine never re-tokenizes or re-applies a template.
+   (With `router.token_stream: ray` the router calls the streaming method itself, as a Ray
+   streaming call.)
+2. vLLM runs it with `RequestOutputKind.DELTA`; the method yields one `TokenDelta` per engine
+   output (the new token ids, their text, and on the last one the finish reason), and `relay`
+   queues each on the router's token stream (pdserve/engine/deltas.py), which sends one frame per
+   event-loop turn for all of that router's requests here.
+3. If the router cancels the call (client gone, deadline), Ray cancels the task, vLLM's
+   `generate` sees `CancelledError` and aborts the request, which frees its KV blocks; a router
+   whose connection closed stops its requests the same way.
 
 The actor is placed by `create_engine_actor` with the pool's Ray resources and an environment
 that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.

@@ -29,7 +29,7 @@ import socket
 import ssl
 from typing import Any
 
-from pdserve.engine.types import EngineDown, KVLoadFailed, RequestRejected
+from pdserve.engine.types import EngineDown
 from pdserve.tls import client_context, server_context
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ MAX_FRAME = 256 << 20
 """Largest frame a router accepts (a frame is one loop turn's deltas: far below this)."""
 END = None
 """The item that ends a stream: the node's generator ran out."""
-PASSED_AS_IS = (RequestRejected, EngineDown, KVLoadFailed)
-"""Exceptions a relayed stream ends with that reach the router as themselves."""
 
 
 USER_TIMEOUT_MS = 10_000
@@ -92,12 +90,15 @@ def frame(batch: list[tuple[int, Any]]) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
-def ending(error: BaseException, where: str) -> Exception:
-    """What the router is told a stream ended with: the node's own exceptions as themselves,
-    anything else as a RuntimeError with its repr (it may not unpickle in the router)."""
-    if isinstance(error, PASSED_AS_IS):
-        return error
-    return RuntimeError(f"{where} failed: {error!r}")
+def ending(error: BaseException, where: str) -> BaseException:
+    """What the router is told a stream ended with: the exception itself where it survives the
+    trip (as Ray carried it: vLLM's own ValueError still reads as one to vLLM's server), else a
+    RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        return RuntimeError(f"{where} failed: {error!r}")
+    return error
 
 
 class Channel:

@@ -210,6 +210,9 @@ async def test_a_decode_death_mid_stream_is_invisible_or_an_error_event_then_don
     assert error["code"] == 500 and "decode node d0" in error["message"]
 
 
+JSON = {"content-type": "application/json"}
+
+
 async def test_no_node_left_is_503_and_a_full_router_429(http, router):
     for pool in router.service.dispatcher.pools.values():
         pool.nodes[0].healthy = False
@@ -219,6 +222,15 @@ async def test_no_node_left_is_503_and_a_full_router_429(http, router):
     assert streamed.status_code == 503  # the gate answers before a stream starts
     assert streamed.json()["error"]["type"] == "service_unavailable"
     assert (await http.get("/health")).status_code == 503
+    # a request no node would run is the client's mistake whatever the pools' state
+    nested = b'{"prompt": "hi", "x": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
+    internal = {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}
+    for bad in (
+        await http.post("/v1/completions", content=nested, headers=JSON),
+        await http.post("/v1/completions", json=internal),
+        await http.post("/v1/completions", content=b"[1, 2]", headers=JSON),
+    ):
+        assert bad.status_code == 400, bad.text
     router.reset()
     router.nodes["d0"].delay_s = 0.2
     body = {"prompt": "hi", "max_tokens": 20, "stream": True}
@@ -280,7 +292,7 @@ async def test_grpc_streams_and_maps_errors(router):
 async def test_hostile_bodies_get_4xx_and_the_router_keeps_serving(http, router):
     big = await http.post("/v1/completions", content=b"x" * (LIMIT_BYTES + 1))
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
-    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = b'{"prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
     deep = await http.post("/v1/completions", content=nested[: LIMIT_BYTES - 10] + b"}")
     assert deep.status_code == 400, deep.text  # under the size bound: refused as bad JSON
     nested = b"[" * 30_000 + b"]" * 30_000

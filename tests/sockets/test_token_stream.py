@@ -28,6 +28,10 @@ from router.errors import NodeFailed
 from router.ray_nodes import RayNodeClient
 
 
+class Unpicklable(Exception):
+    pass
+
+
 class Scripted(EngineActor):
     # the streaming methods of a node, scripted
     def __init__(self, *args):
@@ -46,10 +50,10 @@ class Scripted(EngineActor):
             raise
 
     async def prefill(self, request_id, what):
-        if what == "crash":
-            yield TokenDelta([0], "0")
-            raise KeyError("not picklable in the router? it is turned into RuntimeError")
-        yield TokenDelta([0], "0", finish_reason="length")
+        yield TokenDelta([0], "0")
+        if what == "value":
+            raise ValueError("a value the engine refused")
+        raise Unpicklable(lambda: None)  # its argument cannot cross
 
     async def counts(self):
         channels = list(self._deltas.channels.values())
@@ -92,12 +96,17 @@ async def main():
     except RequestRejected as error:
         print("REFUSED", seen == [0, 1] and "refused after 2" in str(error))
 
-    # 4. anything else the node raises arrives as a RuntimeError naming it
+    # 4. anything else the node raises arrives as itself where it can cross (vLLM's server reads
+    # a ValueError as the client's mistake), else as a RuntimeError naming it
     try:
-        await collect(client.stream("prefill", "r4", "crash"))
+        await collect(client.stream("prefill", "r4", "value"))
         print("OTHER", False)
-    except RuntimeError as error:
-        print("OTHER", "KeyError" in str(error) and "node-a" in str(error))
+    except ValueError as error:
+        try:
+            await collect(client.stream("prefill", "r4b", "crash"))
+            print("OTHER", False)
+        except RuntimeError as crash:
+            print("OTHER", "Unpicklable" in str(crash) and "node-a" in str(crash))
 
     # 5. a method that is not a stream is refused by the node
     try:
