@@ -47,8 +47,11 @@ class EngineConfig(_Strict):
 
     max_model_len: int = Field(2048, gt=0)
     """Longest prompt + output, in tokens."""
-    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    """Weights and KV cache dtype."""
+    dtype: Literal["native", "bfloat16", "float16", "float32", "auto"] = "native"
+    """Weights and KV cache dtype. `native`: bfloat16 on a GPU or a CPU with bf16 matrix
+    instructions (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs, where vLLM's bf16 matrix
+    products fall back to a generic kernel 2-9x slower than float32's (pdserve/engine/dtype.py);
+    each engine decides on its own host. `auto` is vLLM's: the model's own dtype."""
     enforce_eager: bool = True
     """Skip torch.compile / CUDA graphs. On CPU bf16 compiled output is not trustworthy."""
     kv_cache_space_gib: int = Field(2, gt=0)

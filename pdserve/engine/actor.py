@@ -32,6 +32,7 @@ from typing import Any
 import ray
 
 from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
+from pdserve.engine import dtype
 from pdserve.engine.deltas import END, DeltaServer, ending, server_tls
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve.engine.types import (
@@ -180,6 +181,7 @@ class EngineActor:
         started = time.monotonic()
         self._stream_context = server_tls(self._stream_tls)  # a bad file fails the start here
         kwargs = dict(self._engine_args)
+        kwargs["dtype"] = dtype.resolve(kwargs.get("dtype", dtype.NATIVE), _gpu_name() is not None)
         if kwargs.get("kv_transfer_config"):
             from vllm.config import KVTransferConfig
 

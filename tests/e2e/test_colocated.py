@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.engine.dtype import native_dtype
 from tests.e2e.conftest import (
     BAD_REQUESTS,
     CHAT,
@@ -74,7 +75,8 @@ def test_raw_stream_ends_with_done(server):
 
 def test_greedy_output_equals_offline_vllm(client, server, default_model_dir, tmp_path):
     """One engine against one engine, each prompt alone: the same computation on this host."""
-    assert_greedy_matches_plain_vllm(client, server.model, default_model_dir, tmp_path, "bfloat16")
+    dtype = native_dtype(gpu=False)  # the default config's engine on this host
+    assert_greedy_matches_plain_vllm(client, server.model, default_model_dir, tmp_path, dtype)
 
 
 @pytest.mark.parametrize(("path", "body", "raw", "status", "says"), BAD_REQUESTS)

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import yaml
 
+from pdserve.engine.dtype import native_dtype
 from tests.conftest import REPO
 from tests.e2e.conftest import finish_server, start_server
 
@@ -445,7 +446,8 @@ def test_calibrate_fits_the_engines_own_steps(server, tmp_path):
     assert set(roles) == {"prefill", "decode"}
     for node in steps:
         assert node["device"].startswith("cpu-") and node["device"].endswith("-1t")
-        assert node["model"].endswith("-bfloat16") and node["model_spec"]["num_layers"] == 30
+        assert node["model"].endswith("-" + native_dtype(gpu=False))
+        assert node["model_spec"]["num_layers"] == 30
         assert node["step_model"] == "roofline"  # no calibration in this test's cache
         assert MIN_STEP_RECORDS <= len(node["records"]) <= node["steps_seen"]
         assert node["fields"][-2:] == ["seconds", "gap_seconds"]

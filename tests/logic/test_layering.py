@@ -29,6 +29,7 @@ ALLOWED = {
     "pdserve.bench": {
         "pdserve.model_prep",
         "pdserve.config",
+        "pdserve.engine",
         "pdserve.planner",
         "pdserve.roofline",
     },
