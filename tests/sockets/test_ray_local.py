@@ -57,7 +57,7 @@ class Node:
 
 async def main():
     node = Node.remote()
-    client = RayNodeClient(node)
+    client = RayNodeClient(node, direct=False)  # Ray streaming calls (router.token_stream: ray)
     stream = client.stream("generate", "r1")
     first = await anext(stream)
     assert first.finish_reason == "length" and first.index == 0
