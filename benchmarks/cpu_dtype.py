@@ -23,7 +23,7 @@ from pdserve.bench import compare
 from pdserve.bench.client import run_load, served_model
 from pdserve.bench.stats import summarize
 from pdserve.bench.workload import RequestSpec, Workload, build_requests
-from pdserve.engine.dtype import BF16_FLAGS, cpu_flags, native_dtype
+from pdserve.engine.dtype import bf16_flags, native_dtype
 
 DTYPES = ("bfloat16", "float32")
 
@@ -96,8 +96,7 @@ def main() -> None:
     from pdserve.model_prep import prepare_default_model
 
     model_dir = Path(prepare_default_model())
-    flags = sorted(cpu_flags(Path("/proc/cpuinfo").read_text()) & BF16_FLAGS)
-    results = {"bf16_flags": flags, "native": native_dtype(gpu=False), "rounds": []}
+    results = {"bf16_flags": sorted(bf16_flags()), "native": native_dtype(gpu=False), "rounds": []}
     for _ in range(args.rounds):
         round_ = {}
         for dtype in DTYPES:

@@ -22,7 +22,6 @@ from pdserve.bench.client import run_load, served_model
 from pdserve.bench.report import markdown_table, plot, read_records, write_json
 from pdserve.bench.stats import RequestRecord, summarize
 from pdserve.bench.workload import RequestSpec, Workload, build_requests
-from pdserve.engine import dtype as engine_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -385,8 +384,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "slos": [vars(slo) for slo in args.slos],
         "fairness": "adaptive / remote: prefill engine on core 0 + decode engine on core 1, one "
         "thread each; colocated and vllm: one engine with two threads on cores 0-1; same engine "
-        f"settings ({_engine_dtype(args.overrides)}, eager, max_model_len 2048, 64 sequences, "
-        "tcmalloc and Intel OpenMP preloaded), fresh server per system.",
+        f"settings ({sweep_.engines_dtype(compare.REPO, args.overrides)}, eager, max_model_len "
+        "2048, 64 sequences, tcmalloc and Intel OpenMP preloaded), fresh server per system.",
         "points": points,
     }
     results["headline"] = sweep_.headline(results, args.slos)
@@ -454,24 +453,13 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
     return 0 if all(not run["errors"] for run in runs.values()) else 1
 
 
-def _engine_dtype(overrides: list[str]) -> str:
-    """The dtype every system's engines run: the config's (`native`) unless an override sets
-    `engine.dtype`, resolved for this host's CPU."""
-    chosen = "native"
-    for override in overrides:
-        key, _, value = override.partition("=")
-        if key.strip() == "engine.dtype":
-            chosen = value.strip()
-    return engine_dtype.resolve(chosen, gpu=False)
-
-
 def _system(system: str, work: Path, overrides: list[str]):
     """A context manager serving `system` on this machine; yields its base URL."""
     if system == "vllm":
         from pdserve.model_prep import prepare_default_model
 
         model_dir = prepare_default_model()
-        dtype = _engine_dtype(overrides)
+        dtype = sweep_.engines_dtype(compare.REPO, overrides)
         return compare.plain_vllm_server(model_dir, model_dir.name, work, dtype=dtype)
     config = sweep_.pdserve_config(system, compare.REPO, work, overrides)
     return compare.pdserve_server(config, work)

@@ -134,17 +134,8 @@ def headline(results: dict, slos: Sequence[Slo]) -> dict:
     return out
 
 
-def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str] = ()) -> Path:
-    """The config file a pdserve system serves with: the repo's, with the placement mode set and
-    `overrides` ("dotted.key=YAML value") applied. `blind` is `adaptive` without prefix-aware
-    routing."""
-    name = "local-cpu-colocated.yaml" if system == "colocated" else "local-cpu.yaml"
-    data = yaml.safe_load((repo / "deploy/config" / name).read_text())
-    if system != "colocated":
-        router = data.setdefault("router", {})
-        router["placement"] = {"mode": "adaptive" if system == "blind" else system}
-        if system == "blind":
-            router["prefix_aware"] = False
+def apply_overrides(data: dict, overrides: Sequence[str]) -> None:
+    """Set each "dotted.key=YAML value" of `overrides` in the config `data`."""
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
@@ -156,6 +147,31 @@ def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str]
             if not isinstance(target, dict):
                 raise ValueError(f"--set {key}: {part} is not a section")
         target[leaf] = yaml.safe_load(value)
+
+
+def engines_dtype(repo: Path, overrides: Sequence[str] = ()) -> str:
+    """The dtype every system's engines run on this host (plain vLLM is given the same): the
+    repo's config with `overrides` applied, `native` resolved for this CPU."""
+    from pdserve.config import parse_config
+    from pdserve.engine.dtype import resolve
+
+    data = yaml.safe_load((repo / "deploy/config/local-cpu.yaml").read_text())
+    apply_overrides(data, overrides)
+    return resolve(parse_config(data).engine.dtype, gpu=False)
+
+
+def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str] = ()) -> Path:
+    """The config file a pdserve system serves with: the repo's, with the placement mode set and
+    `overrides` ("dotted.key=YAML value") applied. `blind` is `adaptive` without prefix-aware
+    routing."""
+    name = "local-cpu-colocated.yaml" if system == "colocated" else "local-cpu.yaml"
+    data = yaml.safe_load((repo / "deploy/config" / name).read_text())
+    if system != "colocated":
+        router = data.setdefault("router", {})
+        router["placement"] = {"mode": "adaptive" if system == "blind" else system}
+        if system == "blind":
+            router["prefix_aware"] = False
+    apply_overrides(data, overrides)
     path = work / f"{system}.yaml"
     path.write_text(yaml.safe_dump(data))
     from pdserve.config import load_config

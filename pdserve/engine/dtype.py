@@ -33,17 +33,22 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return set()
 
 
-def native_dtype(gpu: bool, cpuinfo: str | None = None) -> str:
-    """bfloat16 on a GPU or a CPU with bf16 matrix instructions; float32 on any other CPU.
-    `cpuinfo`: /proc/cpuinfo's text (read here when None; an unreadable one means float32)."""
-    if gpu:
-        return "bfloat16"
+def bf16_flags(cpuinfo: str | None = None) -> set[str]:
+    """This CPU's bf16 matrix instruction flags. `cpuinfo`: /proc/cpuinfo's text (read here when
+    None; an unreadable one has none)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
-    return "bfloat16" if cpu_flags(cpuinfo) & BF16_FLAGS else "float32"
+    return cpu_flags(cpuinfo) & BF16_FLAGS
+
+
+def native_dtype(gpu: bool, cpuinfo: str | None = None) -> str:
+    """bfloat16 on a GPU or a CPU with bf16 matrix instructions; float32 on any other CPU."""
+    if gpu:
+        return "bfloat16"
+    return "bfloat16" if bf16_flags(cpuinfo) else "float32"
 
 
 def resolve(dtype: str, gpu: bool) -> str:
