@@ -11,10 +11,12 @@ setup:
 serve: setup
 	$(VENV)/bin/pdserve serve $(ARGS)
 
-test: setup
+test:
+	bash scripts/bootstrap.sh tests
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast:
+	bash scripts/bootstrap.sh tests
 	$(VENV)/bin/python -m pytest -m "logic or sockets" $(PYTEST_ARGS)
 
 lint:

@@ -28,6 +28,8 @@ from typing import Any
 
 from pdserve.engine import budget
 from pdserve.engine.actor import EngineActor
+from pdserve.engine.legs import leg_params
+from pdserve.engine.text import ContinuedText
 from pdserve.engine.types import KVLoadFailed, TokenDelta
 
 FAILURE_REASON_WAIT_S = 2.0
@@ -38,9 +40,7 @@ the next engine step's stats)."""
 def decode_params(params: Any, handle: dict[str, Any], first_tokens: int) -> Any:
     """The client's sampling parameters for what follows the first tokens already sampled,
     loading the KV through `handle`."""
-    rest = budget.after(params, first_tokens)
-    rest.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handle}
-    return rest
+    return leg_params(params, budget.after(params, first_tokens), handle)
 
 
 class DecodeNode(EngineActor):
@@ -58,10 +58,15 @@ class DecodeNode(EngineActor):
         from the prefill node's KV."""
         params = decode_params(sampling_params, handle, len(first_token_ids))
         tokens = prompt_token_ids + first_token_ids
+        text = None
+        if first_token_ids:  # the engine's own text would start from a prompt ending in them
+            tokenizer = self._engine.tokenizer if self._engine is not None else None
+            text = ContinuedText(tokenizer, prompt_token_ids, first_token_ids, sampling_params)
         async for delta in self._run(request_id, tokens, params):
             if delta.finish_reason == "error":
                 raise await self._kv_failure(request_id)
-            yield replace(delta, num_prompt_tokens=len(prompt_token_ids))
+            delta = replace(delta, num_prompt_tokens=len(prompt_token_ids))
+            yield delta if text is None else replace(delta, text=text.text(delta))
 
     async def prefetch(
         self, key: str, host: str, ports: list[int], num_tokens: int, block_size: int

@@ -394,7 +394,8 @@ class KVTransferConfig(_Strict):
     port: int = Field(KV_DEFAULTS.port, ge=0, le=65535)
     """First port of the KV servers (0: pick free ports)."""
     secret: str | None = None
-    """Shared cluster secret for the KV handshake. None: a random one per `serve` run."""
+    """Shared cluster secret the KV handshake and every node's token stream prove. None: a
+    random one per `serve` run."""
     lease_s: float = Field(KV_DEFAULTS.lease_s, gt=0)
     """How long a prefill node holds KV blocks waiting for the decode node to pull them."""
     timeout_s: float = Field(KV_DEFAULTS.timeout_s, gt=0)
@@ -412,8 +413,9 @@ class KVTransferConfig(_Strict):
 
     tls: KVTLSConfig | None = None
     """Mutual TLS on the `tcp` plane's connections (and the control connection of `nccl` and
-    `gloo`), and on every node's token stream to the router. None: plain TCP, authenticated by
-    the cluster secret but not encrypted."""
+    `gloo`), and on every node's token stream to the router. None: plain TCP — each peer proves
+    the cluster secret when it connects, but nothing after that is encrypted or
+    integrity-checked."""
 
     def tls_files(self) -> dict[str, str] | None:
         """The TLS files the token streams use too (pdserve/engine/deltas.py); None: plain."""

@@ -106,17 +106,19 @@ def place_node(
         kv_transfer=kv_transfer,
         stream_host=config.kv_transfer.host,
         stream_tls=config.kv_transfer.tls_files(),
+        stream_secret=secret,
     )
 
 
-def ray_node_client(config: PDServeConfig, actor: Any, name: str):
-    """The router's client for one node, its token stream as the config says."""
+def ray_node_client(config: PDServeConfig, actor: Any, name: str, secret: str):
+    """The router's client for one node, its token stream as the config says (proving the run's
+    cluster `secret`)."""
     from pdserve.engine.deltas import client_tls
     from router.ray_nodes import RayNodeClient
 
     kv = config.kv_transfer
     tls = client_tls(kv.tls_files(), kv.tls.check_hostname if kv.tls else True)
-    return RayNodeClient(actor, name, config.router.token_stream == "direct", tls)
+    return RayNodeClient(actor, name, config.router.token_stream == "direct", tls, secret)
 
 
 def place_pools(config: PDServeConfig, model_dir: str, served: str, secret: str) -> dict:
@@ -201,7 +203,7 @@ class RayNodeFactory:
             self._stop(name)
             raise
         logger.info("%s engine %s up in %.1f s (pid %s)", role, info.name, info.start_s, info.pid)
-        return Node(info.name, ray_node_client(self.config, actor, info.name), info)
+        return Node(info.name, ray_node_client(self.config, actor, info.name, self.secret), info)
 
     async def remove(self, node) -> None:
         """Shut the node's engine down (it has drained), then end its actor."""

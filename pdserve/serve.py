@@ -47,6 +47,30 @@ def with_planned_chunk(config: PDServeConfig, model_dir: Path) -> PDServeConfig:
     )
 
 
+@contextlib.contextmanager
+def ray_token_private():
+    """Ray's token (`RAY_AUTH_TOKEN_PATH`, else ~/.ray/auth_token) kept to its owner. Ray writes
+    the file with the process's umask — 0644 by default, readable by every local user, who could
+    then run code in the cluster — so Ray starts under umask 0077 here (its session files too),
+    and a token file found or written is made 0600 in a 0700 folder."""
+    default = Path.home() / ".ray" / "auth_token"
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or default)
+
+    def tighten() -> None:
+        if path == default and path.parent.is_dir():
+            path.parent.chmod(0o700)
+        if path.is_file():
+            path.chmod(0o600)
+
+    tighten()
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+        tighten()
+
+
 def _init_ray(config: PDServeConfig) -> bool:
     """Start a local Ray (returns True) or join `ray.address` (returns False).
 
@@ -54,7 +78,8 @@ def _init_ray(config: PDServeConfig) -> bool:
     `ray.init()` would join the cluster named in Ray's `ray_current_cluster` file (the last one
     `ray start` made on this machine), whoever made it."""
     if config.ray.address:
-        ray.init(address=config.ray.address, logging_level=logging.WARNING)
+        with ray_token_private():
+            ray.init(address=config.ray.address, logging_level=logging.WARNING)
         logger.info("joined Ray cluster at %s", config.ray.address)
         return False
     if os.environ.get("RAY_AUTH_MODE") == "disabled":
@@ -68,18 +93,21 @@ def _init_ray(config: PDServeConfig) -> bool:
         "prefill_pool": float(max(1, pools.prefill.replicas)),
         "decode_pool": float(max(1, pools.decode.replicas)),
     }
-    ray.init(
-        address="local",
-        num_cpus=config.ray.num_cpus,
-        resources=resources,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
+    with ray_token_private():
+        ray.init(
+            address="local",
+            num_cpus=config.ray.num_cpus,
+            resources=resources,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
     logger.info("started a local Ray (%s CPUs)", ray.cluster_resources().get("CPU"))
     return True
 
 
-def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list]):
+def _build_dispatcher(
+    config: PDServeConfig, pools: dict[str, list], infos: dict[str, list], secret: str
+):
     """The router's pools (nodes reached through Ray) and the dispatcher over them."""
     from router.dispatch import Dispatcher
     from router.nodes import Node
@@ -92,7 +120,7 @@ def _build_dispatcher(config: PDServeConfig, pools: dict[str, list], infos: dict
         name: Pool(
             name,
             [
-                Node(info.name, ray_node_client(config, actor, info.name), info)
+                Node(info.name, ray_node_client(config, actor, info.name, secret), info)
                 for actor, info in zip(actors, infos[name], strict=True)
             ],
             make_policy(config.router.policy, role=name),
@@ -174,6 +202,7 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
         router.max_connections,
         tls,
         router.max_connections_per_client,
+        router.enable_prompt_tokens_details,
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
     http = _Server(
@@ -269,7 +298,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             logger.info(
                 "%s engine %s up in %.1f s (pid %s)", name, info.name, info.start_s, info.pid
             )
-        dispatcher = _build_dispatcher(config, pools, infos)
+        dispatcher = _build_dispatcher(config, pools, infos, secret)
         metrics = RouterMetrics(
             dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
         )

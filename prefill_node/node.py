@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.engine.actor import EngineActor
+from pdserve.engine.legs import leg_params
 from pdserve.engine.types import TokenDelta
 from pdserve.kv.handle import producer_params
 
@@ -30,18 +31,16 @@ def prefill_params(params: Any, sample_first: bool, readers: int, prefetch: str 
     """Parameters for the prefill leg, keeping the KV for `readers` decodes (and followed under
     the `prefetch` key): the client's cut to the first token, or (not sampling for the client)
     the plainest that compute the KV."""
-    kv = {"kv_transfer_params": producer_params(readers, prefetch)}
+    kv = producer_params(readers, prefetch)
     if not sample_first:
         from vllm import SamplingParams
 
         # ignore_eos: it always ends at its budget, so its KV is always handed over
-        return SamplingParams(
-            max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=kv
-        )
-    first = params.clone()
+        plain = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        return leg_params(params, plain, kv)
+    first = leg_params(params, kv_transfer_params=kv)
     first.max_tokens = 1
     first.min_tokens = min(params.min_tokens, 1)
-    first.extra_args = {**(params.extra_args or {}), **kv}
     return first
 
 
@@ -63,6 +62,14 @@ class PrefillNode(EngineActor):
         params = prefill_params(sampling_params, sample_first, readers, prefetch)
         async for delta in self._run(request_id, prompt_token_ids, params):
             yield delta
+
+    async def end_follow(self, key: str) -> bool:
+        """The prefill `key` names will not run here (its leg failed or was cancelled, maybe
+        before this node had it): its follower stops waiting now, not at the follow's deadline."""
+        if self._engine is None or not isinstance(key, str):
+            return False
+        ended = await self._engine.collective_rpc("pdserve_end_follow", args=(key,))
+        return any(ended)
 
     async def give_back(self, handle: dict[str, Any]) -> bool:
         """The router will hand this prefill's KV (`handle`, as `prefill` returned it) to no

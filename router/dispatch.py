@@ -43,7 +43,7 @@ from router.nodes import Node
 from router.placement import Placement
 from router.pools import Pool
 from router.prefixes import Prefix
-from router.request import PreparedRequest
+from router.request import PreparedRequest, num_logprobs
 from router.routing import Route, Routing
 
 logger = logging.getLogger(__name__)
@@ -109,19 +109,15 @@ class Dispatcher:
         route = self.routing.route(len(prepared.prompt_token_ids), params, prefix)
         logger.debug(
             "%s: legs %s, %s (%s)",
-            prepared.request_id,
+            prepared.log_id,
             prepared.internal_id,
             route.legs(),
             route.reason,
         )
         if route.reason == "no_decode_node":
-            logger.warning(
-                "%s: no healthy decode node; a prefill node serves it", prepared.request_id
-            )
+            logger.warning("%s: no healthy decode node; a prefill node serves it", prepared.log_id)
         elif route.reason == "no_prefill_node":
-            logger.warning(
-                "%s: no healthy prefill node; the decode node prefills", prepared.request_id
-            )
+            logger.warning("%s: no healthy prefill node; the decode node prefills", prepared.log_id)
         if self.observer is not None:
             self.observer.routed(route)
         if route.split:  # before the record below says it holds this very prompt
@@ -152,9 +148,14 @@ class Dispatcher:
             # a follow streams every block; a decode node that holds the prompt's start pulls
             # only the rest once the prefill ends
             prefetch = self._prefetch(route, len(prepared.prompt_token_ids))
-        prefill_node, first = await self._prefill(
-            route.prefill, prepared, deadline, sample_first, prefetch
-        )
+        try:
+            prefill_node, first = await self._prefill(
+                route.prefill, prepared, deadline, sample_first, prefetch
+            )
+        except BaseException:  # failed or cancelled: maybe before vLLM ever had the prefill
+            if prefetch:
+                self._aside(self.prefill.end_follow(route.prefill, prefetch))
+            raise
         handed_over = clock.now()
         first_tokens: list[int] = []
         ended = False  # the decode leg ran to its end (it read the KV, or had none to read)
@@ -258,7 +259,7 @@ class Dispatcher:
             stop_reason=last.stop_reason if finish else None,
             num_prompt_tokens=len(prepared.prompt_token_ids),
             handle=last.handle,
-            logprobs=logprobs if params.logprobs is not None else None,
+            logprobs=logprobs if num_logprobs(params) is not None else None,
             num_cached_tokens=first.num_cached_tokens,
         )
 

@@ -54,6 +54,15 @@ class RequestTimeout(RequestError):
     kind = "request_timeout"
 
 
+class SlowReader(RequestError):
+    """A streaming client stopped reading while its request ran on: the router held its
+    deltas up to a bound (router/token_stream.py) and then cancelled the request."""
+
+    http_status = 408
+    grpc_status = "DEADLINE_EXCEEDED"
+    kind = "client_too_slow"
+
+
 class Overloaded(RequestError):
     """Queues are full: retry later (HTTP 429 with Retry-After)."""
 

@@ -47,7 +47,7 @@ _OPTIONAL = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "n",
 )  # fmt: skip
-_REPEATED = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
+_REPEATED = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words", "logprob_token_ids")
 
 
 def _structured(output: pb.StructuredOutput) -> dict[str, Any] | None:
@@ -128,10 +128,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         render: Render,
         api_key: str | None,
         per_client: PerClient | None = None,
+        cached_tokens: bool = False,
     ) -> None:
         self.service, self.render = service, render
         self.api_key = api_key
         self.per_client = per_client or PerClient(1 << 30)
+        self.cached_tokens = cached_tokens
+        """Report cached prompt tokens in usage (`router.enable_prompt_tokens_details`, as HTTP
+        does): off, a client cannot probe what others' prompts left in the cache."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         client = _peer_host(context.peer() or "")
@@ -177,7 +181,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         reply.finish_reason = delta.finish_reason
                         reply.usage.prompt_tokens = prompt_tokens
                         reply.usage.completion_tokens = count
-                        reply.usage.cached_tokens = cached or 0
+                        if self.cached_tokens:
+                            reply.usage.cached_tokens = cached or 0
                     yield reply
         except RequestError as error:
             await context.abort(_status(error), error.message)
@@ -229,12 +234,16 @@ async def create_server(
     max_calls: int = 4096,
     tls: ServerFiles | None = None,
     per_client: int | None = None,
+    cached_tokens: bool = False,
 ) -> tuple[grpc.aio.Server, int, Any]:
-    """Build and start the gRPC server; returns (server, bound port, health servicer)."""
+    """Build and start the gRPC server; returns (server, bound port, health servicer).
+    `cached_tokens`: report cached prompt tokens in usage."""
     server = grpc.aio.server(
         options=grpc_options(max_request_bytes), maximum_concurrent_rpcs=max_calls
     )
-    generation = GenerationService(service, render, api_key, PerClient(per_client or max_calls))
+    generation = GenerationService(
+        service, render, api_key, PerClient(per_client or max_calls), cached_tokens
+    )
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

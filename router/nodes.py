@@ -48,6 +48,11 @@ class NodeClient(ABC):
         it. A node that keeps no KV for others has none to free."""
         return False
 
+    async def end_follow(self, key: str) -> bool:
+        """End the follow of prefill `key` on this (prefill) node: that prefill will not run (its
+        leg failed or was cancelled before vLLM had it), so its follower stops waiting now."""
+        return False
+
     async def prefetch(
         self, key: str, host: str, ports: tuple[int, ...], num_tokens: int, block_size: int
     ) -> bool:

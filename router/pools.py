@@ -213,6 +213,15 @@ class Pool:
         except Exception as error:  # the lease frees it instead
             logger.info("%s node %s: giving KV back failed: %r", self.name, node.name, error)
 
+    async def end_follow(self, node: Node, key: str) -> None:
+        """Tell `node` the prefill `key` names will not run there; one that does not answer in
+        time lets its follower wait until the follow's deadline."""
+        try:
+            async with asyncio.timeout(GIVE_BACK_S):
+                await node.client.end_follow(key)
+        except Exception as error:
+            logger.info("%s node %s: ending a follow failed: %r", self.name, node.name, error)
+
     async def prefetch(self, node: Node, key: str, source: NodeInfo, num_tokens: int) -> None:
         """Ask `node` to follow the prefill `key` names on the `source` node and stage its KV; a
         node that declines or does not answer in time pulls after the prefill instead."""

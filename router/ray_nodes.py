@@ -32,10 +32,17 @@ NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 class RayNodeClient(NodeClient):
     def __init__(
-        self, handle: Any, name: str = "", direct: bool = True, tls: ssl.SSLContext | None = None
+        self,
+        handle: Any,
+        name: str = "",
+        direct: bool = True,
+        tls: ssl.SSLContext | None = None,
+        secret: str | bytes = "",
     ) -> None:
         self.handle = handle
         self.name = name or str(handle)
+        self.secret = secret
+        """The cluster secret the token stream's handshake proves (the nodes were given it)."""
         self.tls = tls
         """Mutual TLS on the token stream (the KV plane's files); None: plain TCP."""
         self.direct = direct
@@ -70,7 +77,9 @@ class RayNodeClient(NodeClient):
                         host, port = await self.handle.delta_endpoint.remote()
                 except TimeoutError:
                     raise NodeFailed(f"{self.name} did not say where its token stream is") from None
-                self._tokens = await TokenStream.connect(self.name, host, port, self.tls)
+                self._tokens = await TokenStream.connect(
+                    self.name, host, port, self.secret, self.tls
+                )
             return self._tokens
 
     async def _ray_stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
@@ -103,6 +112,9 @@ class RayNodeClient(NodeClient):
 
     async def give_back(self, handle: dict[str, Any]) -> bool:
         return await self._call("give_back", handle)
+
+    async def end_follow(self, key: str) -> bool:
+        return await self._call("end_follow", key)
 
     async def prefetch(
         self, key: str, host: str, ports: tuple[int, ...], num_tokens: int, block_size: int

@@ -28,3 +28,16 @@ class PreparedRequest:
     """pdserve's own id for the request on the nodes: its legs' vLLM request ids, so the KV
     handle's and the lease's. Made here, never from a client's field: a client's id may be long,
     repeated by another client or crafted."""
+
+    @property
+    def log_id(self) -> str:
+        """`request_id` as the router's logs write it: quoted, escaped and cut to 128
+        characters — a client's id may carry newlines or terminal controls (log injection)."""
+        return ascii(self.request_id[:128])
+
+
+def num_logprobs(params: Any) -> int | None:
+    """Candidates per sampled token the request asks for, or None: vLLM's own reading
+    (`SamplingParams.num_logprobs`: `logprobs`, else as many as `logprob_token_ids` names — that
+    field leaves `logprobs` None)."""
+    return getattr(params, "num_logprobs", getattr(params, "logprobs", None))

@@ -105,7 +105,7 @@ async def runs(
             if policy.poisonous(deaths):
                 logger.error(
                     "%s: %d engines died while running it; not run again (%s)",
-                    prepared.request_id,
+                    prepared.log_id,
                     deaths,
                     error.message,
                 )
@@ -116,7 +116,7 @@ async def runs(
                 on_resume(error)
                 logger.warning(
                     "%s: %s after %d tokens; continuing on another node",
-                    prepared.request_id,
+                    prepared.log_id,
                     error.message,
                     len(sent),
                 )
@@ -128,7 +128,7 @@ async def runs(
             on_retry(error)
             logger.warning(
                 "%s: %s; running it again (attempt %d of %d)",
-                prepared.request_id,
+                prepared.log_id,
                 error.message,
                 attempt + 1,
                 policy.max_attempts,

@@ -22,7 +22,7 @@ from pdserve.engine.types import TokenDelta
 from router.admission import Admission, Slot
 from router.errors import InvalidRequest, NodeFailed, RequestError
 from router.metrics import RequestTimer, RouterMetrics
-from router.request import PreparedRequest
+from router.request import PreparedRequest, num_logprobs
 from router.retry import RESTART, RetryPolicy, runs
 
 
@@ -85,7 +85,7 @@ def held_response_tokens(prepared: PreparedRequest) -> int:
     params = prepared.sampling_params
     n = getattr(params, "n", 1) or 1
     tokens = getattr(params, "max_tokens", None) or 0
-    held = n * tokens * _per_token(getattr(params, "logprobs", None))
+    held = n * tokens * _per_token(num_logprobs(params))
     prompt_logprobs = getattr(params, "prompt_logprobs", None)
     if prompt_logprobs is not None:
         held += len(prepared.prompt_token_ids) * _per_token(prompt_logprobs)

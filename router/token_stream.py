@@ -1,24 +1,34 @@
 """The router's end of a node's token stream (pdserve/engine/deltas.py): one TCP connection per
 node, its frames split into per-request queues.
 
+The connection is opened with the cluster secret (both sides prove it: `router_hello`), and its
+frames are data (pdserve/engine/frames.py): a frame that does not decode breaks the connection
+and ends its streams, as a lost link does.
+
 A stream opened here is a Ray call (`relay`) that carries the request to the node and a tag that
 names its queue; the deltas arrive on the connection, in order, ended by `END` or the exception
 the node's stream ended with. The Ray call's own end only matters when it fails — the actor died
 or could not start the stream — and then it ends the stream too. A connection that breaks ends
 every stream on it with `NodeFailed`; the next stream opens a new one.
+
+Each stream's queue is bounded (`MAX_BACKLOG` deltas): a client that stops reading while its
+request runs on leaves its deltas here, and past the bound the request is cancelled on the node
+at once, the queue emptied, and the stream ends with `SlowReader` when (if ever) it is read again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from pdserve.engine.deltas import ACK, END, KEY_BYTES, MAX_FRAME, new_key, tune
-from router.errors import NodeFailed
+from pdserve.engine.deltas import MAX_FRAME, new_key, router_hello, secret_bytes, tune
+from pdserve.engine.frames import END, decode
+from pdserve.kv.wire import ProtocolError
+from router.errors import NodeFailed, SlowReader
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +41,39 @@ DEATH_NOTICE_S = 2.0
 known to Ray within milliseconds; a link that failed leaves the call running)."""
 CALL_ENDED = object()
 """Queued to a stream when its Ray call returned (or failed)."""
+OVERFLOW = object()
+"""Queued (alone) to a stream whose reader fell `MAX_BACKLOG` deltas behind."""
+MAX_BACKLOG = 4096
+"""Deltas one stream may hold unread (one per engine step per sequence): past it the request is
+cancelled (`SlowReader`)."""
+
+
+class Inbox:
+    """One stream's queue: the deltas and events for it, at most `MAX_BACKLOG` of them."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self._ready = asyncio.Event()
+        self.on_overflow: Callable[[], None] = lambda: None
+        self.overflowed = False
+
+    def put(self, item: Any) -> None:
+        if self.overflowed:
+            return
+        if len(self.items) >= MAX_BACKLOG:
+            self.overflowed = True
+            self.items.clear()
+            self.items.append(OVERFLOW)
+            self.on_overflow()
+        else:
+            self.items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.items.popleft()
 
 
 class TokenStream:
@@ -42,28 +85,34 @@ class TokenStream:
         self.name = name
         self.key = key
         self._writer = writer
-        self._queues: dict[int, asyncio.Queue] = {}
+        self._queues: dict[int, Inbox] = {}
         self._next_tag = 0
         self.broken: str | None = None
         self._reading = asyncio.get_running_loop().create_task(self._read(reader))
 
     @classmethod
     async def connect(
-        cls, name: str, host: str, port: int, tls: ssl.SSLContext | None = None
+        cls,
+        name: str,
+        host: str,
+        port: int,
+        secret: str | bytes,
+        tls: ssl.SSLContext | None = None,
     ) -> TokenStream:
+        """Connect, prove the cluster `secret` and check the node's proof, open a channel."""
         key = new_key()
+        writer = None
         try:
             async with asyncio.timeout(CONNECT_S):
                 reader, writer = await asyncio.open_connection(host, port, ssl=tls)
                 tune(writer.get_extra_info("socket"))
-                writer.write(key)
-                if await reader.readexactly(len(ACK)) != ACK:
-                    raise ConnectionError("no acknowledgement")
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as error:  # ssl.SSLError too
+                await router_hello(reader, writer, secret_bytes(secret), key)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ProtocolError) as error:
+            if writer is not None:  # ssl.SSLError is an OSError too
+                writer.transport.abort()
             raise NodeFailed(
                 f"cannot open the token stream to {name} at {host}:{port}: {error!r}"
             ) from None
-        assert len(key) == KEY_BYTES
         logger.info("token stream to %s open (%s:%d)", name, host, port)
         return cls(name, reader, writer, key)
 
@@ -73,19 +122,19 @@ class TokenStream:
                 size = int.from_bytes(await reader.readexactly(4), "big")
                 if size > MAX_FRAME:
                     raise ConnectionError(f"a {size}-byte frame")
-                for tag, item in pickle.loads(await reader.readexactly(size)):
+                for tag, item in decode(await reader.readexactly(size)):
                     queue = self._queues.get(tag)
                     if queue is not None:  # else a stream the router has left already
-                        queue.put_nowait(item)
+                        queue.put(item)
         except asyncio.CancelledError:
             self.broken = "closed by the router"
             raise
-        except Exception as error:  # EOF, reset, a frame that does not unpickle
+        except Exception as error:  # EOF, reset, a frame that does not decode
             self.broken = f"token stream from {self.name} lost: {error!r}"
             logger.warning("%s", self.broken)
         finally:
             for queue in self._queues.values():
-                queue.put_nowait(LOST)
+                queue.put(LOST)
             self._writer.close()
 
     async def stream(
@@ -98,11 +147,11 @@ class TokenStream:
         if self.broken:
             raise NodeFailed(self.broken)
         tag, self._next_tag = self._next_tag, self._next_tag + 1
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[tag] = queue
+        queue = self._queues[tag] = Inbox()
         ref = call(self.key, tag)
+        queue.on_overflow = lambda: cancel(ref)
         done = asyncio.ensure_future(ref)
-        done.add_done_callback(lambda _: queue.put_nowait(CALL_ENDED))
+        done.add_done_callback(lambda _: queue.put(CALL_ENDED))
         ended = False
         try:
             while True:
@@ -110,6 +159,12 @@ class TokenStream:
                 if item is END:
                     ended = True
                     return
+                if item is OVERFLOW:
+                    ended = True  # cancelled on the node as it overflowed
+                    logger.warning("a stream on %s: its reader fell behind; cancelled", self.name)
+                    raise SlowReader(
+                        f"the client read none of its last {MAX_BACKLOG} deltas: request cancelled"
+                    )
                 if item is CALL_ENDED:
                     if done.cancelled() or done.exception() is None:
                         continue  # the relay returned: its END is on the connection

@@ -31,7 +31,7 @@ from pdserve.engine import dtype
 from pdserve.engine.types import CACHE_SALT_ARG, PositionLogprobs, TokenDelta
 from router.errors import InvalidRequest, ModelNotFound, RequestError
 from router.openai_http import Guard, add_operations, counted
-from router.request import PreparedRequest
+from router.request import PreparedRequest, num_logprobs
 from router.retry import RESTART
 
 SUPPORTED_TASKS = ("generate",)
@@ -73,7 +73,7 @@ class Outputs:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_text = prompt_text
         self.n = getattr(params, "n", 1) or 1
-        self.wants_logprobs = getattr(params, "logprobs", None) is not None
+        self.wants_logprobs = num_logprobs(params) is not None
         self.delta = getattr(params, "output_kind", None) != RequestOutputKind.FINAL_ONLY
         self.restart()
 

@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
-# Set up a machine for pdserve: create the virtual environment if missing, install pdserve with
-# the CPU extras (GPU extras where nvidia-smi finds a GPU) and the dev tools, then prepare the
-# embedded default model. Safe to run again: installs only when pyproject.toml changed.
+# Set up a machine for pdserve: the Debian packages the tests and the engines use, the virtual
+# environment (created if missing), pdserve with the CPU extras (GPU extras where nvidia-smi finds
+# a GPU) and the dev tools, then the embedded default model. Safe to run again: installs only
+# what is missing, and pip only when pyproject.toml changed. `bootstrap.sh tests` (make test) stops
+# when it cannot install the Debian packages; otherwise it warns and goes on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# prometheus: promtool and the server the metrics tests start; libtcmalloc-minimal4: the
+# allocator CPU engines preload (engine.cpu_preload)
+if ! { command -v promtool >/dev/null 2>&1 && ldconfig -p | grep -q libtcmalloc_minimal.so.4; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "==> apt: prometheus, libtcmalloc-minimal4"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus libtcmalloc-minimal4 >/dev/null
+  else
+    echo "pdserve needs promtool (its tests) and libtcmalloc (its CPU engines); as root run:" >&2
+    echo "  apt-get update && apt-get install -y prometheus libtcmalloc-minimal4" >&2
+    [ "${1:-}" = tests ] && exit 1  # the tests would fail on them: stop before any runs
+  fi
+fi
 
 VENV=${PDSERVE_VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}

@@ -156,6 +156,7 @@ class EngineActor:
         peaks: dict[str, Any] | None = None,
         stream_host: str = "127.0.0.1",
         stream_tls: dict[str, str] | None = None,
+        stream_secret: str | None = None,
     ) -> None:
         self._name = name
         self._engine_args = engine_args
@@ -165,7 +166,8 @@ class EngineActor:
         self._collector = StatsCollector(self._stats)
         self._gpu: GpuSampler | None = None
         self._max_num_batched_tokens = 0
-        self._deltas = DeltaServer(name)
+        self._deltas = DeltaServer(name, stream_secret)
+        """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
         self._stream_host = stream_host
         """Where the token stream listens ("0.0.0.0": every interface, the Ray node's address
         told to routers)."""
@@ -300,7 +302,9 @@ class EngineActor:
             raise EngineDown(f"{self._name} has no engine (it is starting)")
         sampling_params.output_kind = RequestOutputKind.DELTA
         prompt = {"prompt_token_ids": prompt_token_ids}
-        salt = (sampling_params.extra_args or {}).pop(CACHE_SALT_ARG, None)
+        extra = dict(sampling_params.extra_args or {})
+        salt = extra.pop(CACHE_SALT_ARG, None)
+        sampling_params.extra_args = extra or None
         if salt:  # the prompt shares cached blocks only with prompts of the same salt
             prompt["cache_salt"] = salt
         self._stats.requests_started_total += 1
@@ -421,6 +425,7 @@ def create_engine_actor(
     kv_transfer: dict[str, Any] | None = None,
     stream_host: str = "127.0.0.1",
     stream_tls: dict[str, str] | None = None,
+    stream_secret: str | None = None,
 ):
     """Place one engine actor (`actor_class`: EngineActor or a role's subclass) with the pool's
     Ray resources and restart budget; call `.start.remote()` next."""
@@ -452,5 +457,6 @@ def create_engine_actor(
             peaks,
             stream_host,
             stream_tls,
+            stream_secret,
         )
     )

@@ -4,12 +4,15 @@ Each control message is a 4-byte big-endian length and a serialized protobuf mes
 are capped (`MAX_MESSAGE_BYTES`) so a malformed or hostile peer cannot make us allocate; every
 read has the socket's timeout. Authentication is HMAC-SHA256 challenge-response in both
 directions over fresh nonces: the secret never crosses the wire, and a replayed answer is useless.
+The token plane (pdserve/engine/deltas.py) proves the same secret with the same messages, under
+roles of its own, so no proof made for one plane serves on the other.
 The producer's half of the conversation is `prefill_node/kv_server.py`, the consumer's
 `decode_node/kv_client.py`; protobuf types stop there and here (`layout_to_pb`, `layout_from_pb`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -52,9 +55,13 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def send_message(sock: socket.socket, message: Message) -> None:
+def encode_message(message: Message) -> bytes:
     payload = message.SerializeToString()
-    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    sock.sendall(encode_message(message))
 
 
 def recv_message(
@@ -69,9 +76,23 @@ def recv_message(
         raise ProtocolError(f"control message of {length} bytes exceeds {max_bytes}")
     payload = bytearray(length)
     recv_exact_into(sock, memoryview(payload))
+    return _parse(message_type, bytes(payload))
+
+
+async def read_message(
+    reader: asyncio.StreamReader, message_type: type[Message], max_bytes: int = MAX_MESSAGE_BYTES
+) -> Message:
+    """`recv_message` on an asyncio stream (the caller bounds the time)."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > max_bytes:
+        raise ProtocolError(f"control message of {length} bytes exceeds {max_bytes}")
+    return _parse(message_type, await reader.readexactly(length))
+
+
+def _parse(message_type: type[Message], payload: bytes) -> Message:
     message = message_type()
     try:
-        message.ParseFromString(bytes(payload))
+        message.ParseFromString(payload)
     except DecodeError as error:
         raise ProtocolError(f"malformed {message_type.__name__}: {error}") from None
     return message

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.kv.handle import PREFETCH_KEY, prefetch_key
+
 logger = logging.getLogger(__name__)
 
 QUALNAME = "pdserve.kv.worker_extension.KVWorkerExtension"
@@ -41,6 +43,15 @@ class KVWorkerExtension:
         if prefetch is None:
             return False
         return prefetch(key, host, ports, num_tokens, block_size)
+
+    def pdserve_end_follow(self, key: str) -> bool:
+        """End the follow of prefill `key`: it will not run (progress.py). False without a
+        producer half."""
+        progress = getattr(_half("producer"), "progress", None)
+        if progress is None or prefetch_key({PREFETCH_KEY: key}) is None:
+            return False
+        progress.fail(key, "the prefill will not run (its leg failed or was cancelled)")
+        return True
 
     def pdserve_give_back(self, request_id: str, lease_deadline: float) -> bool:
         """Free the KV this worker holds for `request_id`: no decode node will read it. False

@@ -119,6 +119,13 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
             "completion",
             {"prompt": long_prompt[:300], "max_tokens": 4, "temperature": 0, "cache_salt": "b"},
         ),
+        *salted_twins(long_prompt),
+        completion("logprob-token-ids", max_tokens=6, logprobs=3, logprob_token_ids=IDS),
+        completion(
+            "logprob-token-ids-stream", True, max_tokens=6, logprobs=3, logprob_token_ids=IDS
+        ),
+        chat("chat-logprob-token-ids", max_tokens=6, logprobs=True, logprob_token_ids=IDS),
+        *wide_characters(),
         chat("tools", max_tokens=8, tools=[_TOOL], tool_choice="auto"),
         chat("tools-auto-stream", True, max_tokens=24, tools=[_TOOL], tool_choice="auto"),
         chat("tools-required", max_tokens=120, tools=[_TOOL], tool_choice="required"),
@@ -166,6 +173,55 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
             ),
         ]
     return base
+
+
+IDS = [30, 1000, 2000]
+"""Token ids whose logprobs `logprob_token_ids` asks for at every position."""
+
+WIDE = (
+    "Complete this sentence with emojis: I love coding 🚀",
+    "Reply with three emojis only: 🎉",
+    "天空是什么颜色？请用中文回答。",
+    "日本の首都はどこですか？日本語で答えてください。",
+    "한국의 수도는 어디입니까? 한국어로 대답하세요.",
+    "Write the word café and then naïve with combining accents: cafe\u0301",
+)
+"""Prompts whose answers (or whose prompts' ends) hold characters of several byte-level tokens:
+the first token the prefill node samples may end halfway through one."""
+
+
+def wide_characters() -> list[Case]:
+    found = []
+    for i, prompt in enumerate(WIDE):
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+        found.append(Case(f"wide-{i}", "completion", body))
+        found.append(Case(f"wide-{i}-stream", "completion", body, True))
+        found.append(chat(f"chat-wide-{i}", i % 2 == 1, max_tokens=12, messages=[
+            {"role": "user", "content": prompt}
+        ]))  # fmt: skip
+    return found
+
+
+def salted_twins(long_prompt: list[int]) -> list[Case]:
+    """A tenant's salted prompt on each path where the decode node samples the first token (a
+    stop string, n > 1, a structured output), each followed by the same prompt unsalted: the
+    twin must find none of the tenant's blocks (usage's cached tokens equal vLLM's: 0). Prompts
+    no earlier case starts with."""
+    found = []
+    ways = {
+        "stop": {"stop": ["@@@@"]},
+        "n": {"n": 2, "temperature": 1.0, "seed": 7},
+        "json": {"structured_outputs": {"json": SCHEMA}},
+    }
+    for i, (way, fields) in enumerate(ways.items()):
+        prompt = long_prompt[600 + 300 * i : 900 + 300 * i]
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+        salted = {**body, **fields, "cache_salt": "t"}
+        # (the salted request's own cache hits are not compared: with n = 2 vLLM counts the
+        # second sequence's hits on the first's blocks, pdserve the prefill's)
+        found.append(Case(f"salted-{way}", "completion", salted))
+        found.append(Case(f"cached-salt-{way}-twin", "completion", body))
+    return found
 
 
 _TOOL = {

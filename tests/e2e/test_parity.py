@@ -164,6 +164,15 @@ def test_the_cases_exercise_what_they_claim(answers):
     assert vllm["template-kwargs-template"]["status"] == 400
     assert vllm["continuous-usage"]["usage_chunks"] > 2
     assert vllm["cached-tokens"]["usage"][2] >= 128
+    for way in ("stop", "n", "json"):  # a twin finds no block of its tenant's prompt
+        assert vllm[f"cached-salt-{way}-twin"]["usage"][2] == 0
+        assert vllm[f"cached-salt-{way}-twin"]["usage"][0] > 256
+    for name in ("logprob-token-ids", "chat-logprob-token-ids"):
+        assert vllm[name]["choices"][0]["values"], name  # the ids' logprobs came back
+    wide = "".join(
+        vllm[name]["choices"][0]["text"] for name in vllm if name.startswith(("wide", "chat-wide"))
+    )
+    assert sum(ord(ch) > 0x2E7F for ch in wide) > 10  # emoji and CJK answers, not only ASCII
 
 
 REASONING = parity.reasoning_cases()

@@ -51,7 +51,8 @@ def _candidates(token_id: int, count: int) -> list:
 
 
 def _with_logprobs(plan: list[TokenDelta], prompt: list[int], params: Any) -> list[TokenDelta]:
-    sample, ranked = _asked(params, "logprobs"), _asked(params, "prompt_logprobs")
+    # num_logprobs: `logprobs`, or as many as `logprob_token_ids` names (vLLM's reading)
+    sample, ranked = _asked(params, "num_logprobs"), _asked(params, "prompt_logprobs")
     if sample is not None:
         plan = [replace(d, logprobs=[_candidates(d.token_ids[0], sample)]) for d in plan]
     if ranked is not None and plan:
@@ -96,6 +97,10 @@ class FakeNode(NodeClient):
     """(key, host, ports, prompt tokens, block size) of the prefills it was asked to follow."""
     silent: bool = False
     """True: nothing the node says reaches the router (a cut link); calls hang."""
+    ended_follows: list = field(default_factory=list)
+    """Prefetch keys the router said will not run here."""
+    cached_tokens: int | None = None
+    """What its first delta says its prefix cache held of the prompt."""
     _heard: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def _hang_while_silent(self) -> None:
@@ -129,6 +134,8 @@ class FakeNode(NodeClient):
             handle = {"node": self.name, "request": request_id} if method == "prefill" else None
             plan[-1] = TokenDelta(plan[-1].token_ids, plan[-1].text, finish, None, 0, handle)
         plan = [replace(delta, num_prompt_tokens=len(prompt)) for delta in plan]
+        if plan and self.cached_tokens is not None:
+            plan[0] = replace(plan[0], num_cached_tokens=self.cached_tokens)
         plan = _with_logprobs(plan, prompt, params)
         try:
             for index, delta in enumerate(plan):
@@ -164,6 +171,10 @@ class FakeNode(NodeClient):
 
     async def give_back(self, handle: dict) -> bool:
         self.given_back.append(handle)
+        return True
+
+    async def end_follow(self, key: str) -> bool:
+        self.ended_follows.append(key)
         return True
 
     async def prefetch(self, *ask: Any) -> bool:
@@ -216,6 +227,14 @@ def colocated(*fakes: FakeNode) -> Dispatcher:
 class FakeSampling(SimpleNamespace):
     def clone(self) -> FakeSampling:
         return FakeSampling(**vars(self))
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """As vLLM reads it: `logprobs`, else as many as `logprob_token_ids` names."""
+        if self.logprobs is not None:
+            return self.logprobs
+        ids = getattr(self, "logprob_token_ids", None)
+        return len(ids) if ids else None
 
 
 def sampling(**overrides: Any) -> FakeSampling:

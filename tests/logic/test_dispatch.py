@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from router import seam
+from router import clock, seam
 from router.admission import Admission
 from router.errors import (
     DeadlineExceeded,
@@ -339,6 +339,7 @@ async def test_n_above_the_routers_bound_is_refused_and_gives_its_slot_back():
         (dict(n=64, max_tokens=2049, logprobs=1), True),  # 262,272 entries: over 1 << 18
         (dict(n=64, max_tokens=2048, logprobs=1), False),  # 262,144: just within
         (dict(n=1, max_tokens=16, logprobs=-1), True),  # the whole vocabulary per token
+        (dict(n=64, max_tokens=2049, logprob_token_ids=[7]), True),  # counted as logprobs=1
         (dict(n=64, max_tokens=2048, logprobs=1, stream=True), False),  # streamed: not held
     ],
 )
@@ -448,6 +449,28 @@ async def test_prompt_logprobs_and_one_token_requests_run_on_one_engine():
     assert not p.calls and [c.method for c in d.calls] == ["generate"]
     await collect(disaggregated([p], [d]), prepared(max_tokens=1, stop=["x"]))
     assert [c.method for c in p.calls] == ["generate"]
+
+
+async def test_a_prefill_that_fails_before_it_runs_ends_its_follow():
+    """The prefill leg failed (or was cancelled) before vLLM had it: the prefill node is told its
+    key will not run, so the decode node's follow ends now, not at the follow's deadline."""
+    p, d = FakeNode("p0", die_after=0), FakeNode("d0")
+    dispatcher = disaggregated([p], [d])
+    prefill_node, decode_node = dispatcher.prefill.nodes[0], dispatcher.decode.nodes[0]
+    prefill_node.info = replace(prefill_node.info, kv_host="127.9.0.1", kv_ports=(7100,))
+    decode_node.info = replace(decode_node.info, prefetch=True)
+    with pytest.raises(NodeFailed):
+        async for _ in dispatcher.deltas(prepared(max_tokens=3), clock.now() + 30):
+            pass
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert [ask[0] for ask in d.prefetches] == p.ended_follows and len(p.ended_follows) == 1
+
+
+def test_a_clients_request_id_is_logged_escaped():
+    request = replace(prepared(), request_id="cmpl-1\nERROR forged line\x1b[2J" + "x" * 500)
+    assert "\n" not in request.log_id and "\x1b" not in request.log_id
+    assert len(request.log_id) < 150
 
 
 async def test_a_decode_node_that_takes_prefetches_follows_the_prefill_under_one_key():

@@ -39,6 +39,7 @@ class Router:
     def reset(self) -> None:
         for fake in self.nodes.values():
             fake.die_after, fake.delay_s, fake.kv_failure = None, 0.0, False
+            fake.cached_tokens = None
             fake.calls.clear()
             fake.healthy = True
         for pool in self.service.dispatcher.pools.values():
@@ -603,3 +604,28 @@ async def test_every_refusal_is_counted_once_whichever_layer_refuses(http, route
     ).status_code == 404
     assert count("invalid_request_error") == invalid + len(refused)
     assert count("model_not_found") == unknown + 1
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_grpc_reports_cached_tokens_only_where_the_setting_says(router):
+    """As HTTP's `--enable-prompt-tokens-details`: off (the default), a client cannot read what
+    other clients' prompts left in the cache."""
+    router.reset()
+    for fake in router.nodes.values():
+        fake.cached_tokens = 64
+    request = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=3))
+    auth = (("authorization", f"Bearer {KEY}"),)
+    reported = {}
+    for setting in (False, True):
+        server, port, _ = await create_server(
+            router.service, Renderer(router.app.state), "127.0.0.1:0", KEY, cached_tokens=setting
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                replies = [r async for r in stub.Generate(request, metadata=auth)]
+            reported[setting] = replies[-1].usage.cached_tokens
+        finally:
+            await server.stop(grace=1)
+    router.reset()
+    assert reported == {False: 0, True: 64}

@@ -28,6 +28,9 @@ from router.errors import NodeFailed
 from router.ray_nodes import RayNodeClient
 
 
+SECRET = "the-cluster-secret"
+
+
 class Unpicklable(Exception):
     pass
 
@@ -71,8 +74,8 @@ async def collect(stream):
 
 async def main():
     scripted = ray.remote(Scripted).options(max_concurrency=100)
-    actor = scripted.remote("node-a", {}, None, "127.0.0.1")
-    client = RayNodeClient(actor, "node-a")
+    actor = scripted.remote("node-a", {}, None, "127.0.0.1", None, SECRET)
+    client = RayNodeClient(actor, "node-a", secret=SECRET)
 
     # 1. in order, to its end
     got = await collect(client.stream("generate", "r1", 5))
@@ -96,8 +99,8 @@ async def main():
     except RequestRejected as error:
         print("REFUSED", seen == [0, 1] and "refused after 2" in str(error))
 
-    # 4. anything else the node raises arrives as itself where it can cross (vLLM's server reads
-    # a ValueError as the client's mistake), else as a RuntimeError naming it
+    # 4. anything else the node raises arrives as the class the router tells apart (vLLM's
+    # server reads a ValueError as the client's mistake), else as a RuntimeError naming it
     try:
         await collect(client.stream("prefill", "r4", "value"))
         print("OTHER", False)
@@ -125,7 +128,7 @@ async def main():
     print("CANCELLED", (await actor.counts.remote())[0] == 1)
 
     # 6b. the router's connection breaks (the router died): the node stops the request
-    gone = RayNodeClient(actor, "node-a")
+    gone = RayNodeClient(actor, "node-a", secret=SECRET)
     orphan = gone.stream("generate", "r6b", 1000, 0.05)
     await anext(orphan)
     gone._tokens._writer.transport.abort()
@@ -139,19 +142,22 @@ async def main():
     except NodeFailed:
         print("ORPHAN", True)
 
-    # 7. hostile peers: one that never names a channel, one that names a wrong one
+    # 7. hostile peers: one that never proves the secret, one with a wrong secret: no channel
     host, port = await actor.delta_endpoint.remote()
     silent = socket.create_connection((host, port))
     wrong = socket.create_connection((host, port))
     wrong.sendall(b"x" * 32)
-    wrong.settimeout(5)
-    ack = wrong.recv(1)
+    try:
+        await RayNodeClient(actor, "node-a", secret="a guess")._token_stream()
+        print("HOSTILE", False, "a wrong secret got a channel")
+    except NodeFailed:
+        pass
     try:
         await collect(client.stream("generate", "r7", 3))  # others' streams are unaffected
-        print("HOSTILE", ack == b"\x01")
+        print("HOSTILE", (await actor.counts.remote())[3] == 1)
     except Exception as error:
         print("HOSTILE", False, repr(error))
-    other = RayNodeClient(actor, "node-a")
+    other = RayNodeClient(actor, "node-a", secret=SECRET)
     other_stream = await other._token_stream()
     try:  # a key the node never saw: refused by the node, not streamed elsewhere
         def stranger(key, tag):
@@ -166,13 +172,14 @@ async def main():
     # 7b. mutual TLS (the KV plane's files): a router with the cluster's certificate streams; one
     # without TLS, or with a certificate another CA signed, is refused
     files, stranger_files = json.loads(os.environ["CERTS"])
-    secure = scripted.remote("node-b", {}, None, "127.0.0.1", files)
-    trusted = RayNodeClient(secure, "node-b", tls=client_tls(files))
+    secure = scripted.remote("node-b", {}, None, "127.0.0.1", files, SECRET)
+    trusted = RayNodeClient(secure, "node-b", tls=client_tls(files), secret=SECRET)
     ok = await collect(trusted.stream("generate", "t", 3))
     refused = []
     for tls in (None, client_tls(stranger_files)):
         try:
-            await collect(RayNodeClient(secure, "node-b", tls=tls).stream("generate", "t2", 3))
+            stranger = RayNodeClient(secure, "node-b", tls=tls, secret=SECRET)
+            await collect(stranger.stream("generate", "t2", 3))
             refused.append(False)
         except NodeFailed as error:
             refused.append("token stream" in str(error))

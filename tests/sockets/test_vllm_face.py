@@ -116,6 +116,29 @@ async def test_logprobs_come_back_in_vllms_shapes(http):
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_logprob_token_ids_cross_the_seam(http):
+    """vLLM leaves `logprobs` None with `logprob_token_ids` and counts the ids instead: the face
+    must keep the nodes' logprobs all the same (it once answered 500, "Did not output
+    logprobs")."""
+    ids = [30, 1000, 2000]
+    body = {"model": "smol", "prompt": "hi", "max_tokens": 3, "logprobs": 3}
+    for stream in (False, True):
+        got = await http.post(
+            "/v1/completions", json={**body, "logprob_token_ids": ids, "stream": stream}
+        )
+        assert got.status_code == 200, got.text
+        chunks = _events(got.text) if stream else [got.json()]
+        tokens = [t for c in chunks for ch in c["choices"] for t in ch["logprobs"]["tokens"]]
+        assert len(tokens) == 3 and "error" not in got.text, got.text
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    got = await http.post(
+        "/v1/chat/completions", json={**chat, "logprobs": True, "logprob_token_ids": ids}
+    )
+    assert got.status_code == 200, got.text
+    assert len(got.json()["choices"][0]["logprobs"]["content"]) == 3
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_required_tool_call_reaches_the_nodes_as_structured_output(http, face):
     body = {
         "model": "smol",
