@@ -37,3 +37,24 @@ def default_model_dir() -> Path:
     from pdserve.model_prep import prepare_default_model
 
     return prepare_default_model()
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup, call and teardown, added to its module's time (module-scoped fixtures
+    count where they run: with the module's first or last test)."""
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the suite's minutes went, per module (the closing notes quote it)."""
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.section(f"time per module ({total / 60:.1f} min in tests)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1]):
+        if seconds >= 1.0:
+            terminalreporter.write_line(f"{seconds / 60:6.2f} min  {module}")
