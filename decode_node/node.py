@@ -29,7 +29,6 @@ from typing import Any
 from pdserve.engine import budget
 from pdserve.engine.actor import EngineActor
 from pdserve.engine.legs import leg_params
-from pdserve.engine.text import ContinuedText
 from pdserve.engine.types import KVLoadFailed, TokenDelta
 
 FAILURE_REASON_WAIT_S = 2.0
@@ -58,15 +57,12 @@ class DecodeNode(EngineActor):
         from the prefill node's KV."""
         params = decode_params(sampling_params, handle, len(first_token_ids))
         tokens = prompt_token_ids + first_token_ids
-        text = None
-        if first_token_ids:  # the engine's own text would start from a prompt ending in them
-            tokenizer = self._engine.tokenizer if self._engine is not None else None
-            text = ContinuedText(tokenizer, prompt_token_ids, first_token_ids, sampling_params)
-        async for delta in self._run(request_id, tokens, params):
+        # the text continues after the client's prompt, not after the first tokens (they may
+        # end halfway through a character: pdserve/engine/text.py)
+        async for delta in self._run(request_id, tokens, params, len(prompt_token_ids)):
             if delta.finish_reason == "error":
                 raise await self._kv_failure(request_id)
-            delta = replace(delta, num_prompt_tokens=len(prompt_token_ids))
-            yield delta if text is None else replace(delta, text=text.text(delta))
+            yield replace(delta, num_prompt_tokens=len(prompt_token_ids))
 
     async def prefetch(
         self, key: str, host: str, ports: list[int], num_tokens: int, block_size: int

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from pdserve.engine import budget
+from pdserve.engine.types import OUTPUT_START_ARG
 
 Placement = Literal["first_on_prefill", "first_on_decode", "one_engine"]
 FIRST_ON_PREFILL: Placement = "first_on_prefill"
@@ -77,6 +78,11 @@ def continued(prepared: Any, sent: list[int]) -> Any:
     """The request that continues `prepared` after `sent` tokens: their ids appended to the
     prompt, the budget reduced by as many (what one engine would compute next)."""
     params = budget.after(prepared.sampling_params, len(sent))
+    # where the client's prompt ends (the first resume's prompt, kept by later ones): each leg's
+    # text continues from there, whatever byte the sent tokens end on
+    extra = dict(params.extra_args or {})
+    extra.setdefault(OUTPUT_START_ARG, len(prepared.prompt_token_ids))
+    params.extra_args = extra
     return replace(
         prepared, prompt_token_ids=prepared.prompt_token_ids + sent, sampling_params=params
     )

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -35,8 +36,10 @@ from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
 from pdserve.engine import dtype
 from pdserve.engine.deltas import END, DeltaServer, ending, server_tls
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
+from pdserve.engine.text import ContinuedText
 from pdserve.engine.types import (
     CACHE_SALT_ARG,
+    OUTPUT_START_ARG,
     EngineDown,
     NodeInfo,
     NodeStats,
@@ -289,11 +292,18 @@ class EngineActor:
         channel.send(tag, END)
 
     async def _run(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        output_start: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Feed one request to vLLM and yield its deltas, one per sequence that has new output
         (the handle, if any, on the last). vLLM's refusal of the request becomes
-        `RequestRejected`, a dead engine `EngineDown`."""
+        `RequestRejected`, a dead engine `EngineDown`. Where the client's prompt ends inside
+        `prompt_token_ids` (`output_start`, or the router's `OUTPUT_START_ARG` for a resumed
+        stream, whichever is earlier), the rest being output sent already, the deltas' text
+        continues from there (pdserve/engine/text.py)."""
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -304,9 +314,17 @@ class EngineActor:
         prompt = {"prompt_token_ids": prompt_token_ids}
         extra = dict(sampling_params.extra_args or {})
         salt = extra.pop(CACHE_SALT_ARG, None)
+        starts = [output_start, extra.pop(OUTPUT_START_ARG, None)]
         sampling_params.extra_args = extra or None
         if salt:  # the prompt shares cached blocks only with prompts of the same salt
             prompt["cache_salt"] = salt
+        start = min((s for s in starts if isinstance(s, int) and s > 0), default=None)
+        text = None
+        if start is not None and start < len(prompt_token_ids):
+            tokens = prompt_token_ids
+            text = ContinuedText(
+                self._engine.tokenizer, tokens[:start], tokens[start:], sampling_params
+            )
         self._stats.requests_started_total += 1
         context = 0  # this request's tokens counted in the decode context (once it decodes)
         first = True
@@ -317,7 +335,7 @@ class EngineActor:
                 self._stats.decode_context_tokens += grown - context
                 context = grown
                 for completion in output.outputs:
-                    yield TokenDelta(
+                    delta = TokenDelta(
                         token_ids=list(completion.token_ids),
                         text=completion.text,
                         finish_reason=completion.finish_reason,
@@ -329,6 +347,7 @@ class EngineActor:
                         prompt_logprobs=plain_logprobs(output.prompt_logprobs) if first else None,
                         num_cached_tokens=output.num_cached_tokens if first else None,
                     )
+                    yield delta if text is None else replace(delta, text=text.text(delta))
                     first = False
         except VLLMClientError as error:
             raise RequestRejected(str(error)) from None

@@ -18,11 +18,16 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 
 
 STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+"""The columns of a per-step record (`EngineActor.step_records`, GET /pdserve/v1/steps)."""
 CACHE_SALT_ARG = "pdserve_cache_salt"
 """Where a request's `cache_salt` travels to every leg: the `SamplingParams.extra_args` key the
 router sets and each node moves onto the prompt it gives vLLM (clients cannot set extra_args:
 `vllm_xargs` is refused)."""
-"""The columns of a per-step record (`EngineActor.step_records`, GET /pdserve/v1/steps)."""
+OUTPUT_START_ARG = "pdserve_output_start"
+"""A resumed stream's prompt is the client's prompt plus the tokens already sent: this
+`SamplingParams.extra_args` key holds where the client's prompt ends, so each leg's text continues
+from there as one engine's would (pdserve/engine/text.py). Set by the router (router/seam.py);
+clients cannot set extra_args."""
 
 
 TopLogprob = tuple[int, float, int | None, str | None]

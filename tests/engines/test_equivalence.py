@@ -11,13 +11,20 @@ import math
 
 import pytest
 
+from pdserve.engine.types import OUTPUT_START_ARG
 from tests.engines.harness import (
+    call,
     consumer,
     disaggregated,
+    generate,
+    greedy,
     plain,
+    prefill,
     producer,
     reference,
+    rid,
     start_engines,
+    tokens,
     wait_for,
 )
 
@@ -75,6 +82,42 @@ async def test_greedy_tokens_match_one_engine_prompt_by_prompt(engines, corpus, 
             assert loaded == len(prompt), name
     assert checked == 22
     assert not mismatches, f"{len(mismatches)} of {checked} differ: {mismatches[:3]}"
+
+
+WIDE = (
+    "Complete this sentence with emojis: I love coding 🚀",
+    "天空是什么颜色？请用中文回答。",
+    "日本の首都はどこですか？日本語で答えてください。",
+)
+"""Prompts whose greedy answers are emoji or CJK: characters of several byte-level tokens."""
+
+
+async def test_text_across_the_seam_is_one_engines_whatever_byte_a_token_ends_on(
+    engines, tokenizer
+):
+    """The decode leg (prompt + the prefill's token) and a resumed request (prompt + the tokens
+    sent) give the text one engine streams, even where the tokens already sent end halfway
+    through a character — the engine's own detokenizer, primed with such a prompt, would emit
+    the whole prompt's text with the next character (pdserve/engine/text.py)."""
+    partial = 0
+    for words in WIDE:
+        prompt = tokenizer(words).input_ids
+        expected = await generate(engines["ref"], prompt, greedy(12), rid("ref"))
+        assert all(len(d.token_ids) == 1 for d in expected)
+        text = [d.text for d in expected]
+        partial += sum(piece == "" for piece in text[:3])
+        first = await prefill(engines["p"], prompt, 12)
+        args = (prompt, greedy(12), tokens(first), first[-1].handle)
+        rest = await call(engines["d"], "decode", rid("decode"), *args)
+        assert tokens(first + rest) == tokens(expected)
+        assert "".join(d.text for d in first + rest) == "".join(text), words
+        for sent in (1, 2):  # a stream resumed after `sent` tokens, on the plain engine
+            params = greedy(12 - sent)
+            params.extra_args = {OUTPUT_START_ARG: len(prompt)}
+            resumed_prompt = prompt + tokens(expected)[:sent]
+            resumed = await generate(engines["ref"], resumed_prompt, params, rid("resumed"))
+            assert "".join(d.text for d in resumed) == "".join(text[sent:]), (words, sent)
+    assert partial > 0  # some token did end mid-character: the case the test is for
 
 
 async def test_nothing_is_left_held_after_the_requests(engines):

@@ -252,6 +252,7 @@ def sampling(**overrides: Any) -> FakeSampling:
         structured_outputs=None,
         logprobs=None,
         prompt_logprobs=None,
+        extra_args=None,
     )
     return FakeSampling(**{**fields, **overrides})
 

@@ -37,6 +37,14 @@ DRAIN_S = 10.0
 FOLD = {"max_tokens": 16, "max_completion_tokens": 16, "min_tokens": 16, "n": 4}
 """Drawn integers above these are folded into 1..limit (their extremes are in HOSTILE)."""
 CHAT = [{"role": "user", "content": "Say something."}]
+PROMPTS = (
+    "The sea is",
+    "Complete this sentence with emojis: I love coding 🚀",
+    "天空是什么颜色？请用中文回答。",
+    "café, naïve, cafe\u0301 — and more:",
+)
+"""A grafted completion's prompt: plain, or one whose characters span several byte-level tokens
+(the first token the prefill node samples may end halfway through one)."""
 
 LONG_TEMPLATE = "{% for i in range(500) %}A {% endfor %}"
 HOSTILE: list[tuple[str, str, object]] = [
@@ -223,7 +231,7 @@ def shape(path: str, mode: str, drawn: dict, model: str, rng: random.Random) -> 
             body["model"] = model
         return _fold(body)
     base: dict = {"model": model, "max_tokens": 8, "stream": rng.random() < 0.5}
-    base |= {"prompt": "The sea is"} if path == "/v1/completions" else {"messages": CHAT}
+    base |= {"prompt": rng.choice(PROMPTS)} if path == "/v1/completions" else {"messages": CHAT}
     return _fold(base | drawn)
 
 
@@ -249,6 +257,23 @@ def _judge(response: httpx.Response, text: str) -> str:
     return ""
 
 
+def _leaked(body: object, status: int, text: str) -> str:
+    """A completion's answer that holds its own prompt's text without `echo`: the seam leaked it
+    (a decode engine's detokenizer primed on a prompt that ends mid-character)."""
+    if status != 200 or not isinstance(body, dict) or body.get("echo"):
+        return ""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or prompt not in PROMPTS[1:]:
+        return ""
+    if text.startswith("{"):
+        answers = "".join(c.get("text") or "" for c in json.loads(text).get("choices") or ())
+    else:
+        chunks = [x[6:] for x in text.splitlines() if x.startswith("data: {")]
+        choices = [c for x in chunks for c in json.loads(x).get("choices") or ()]
+        answers = "".join(c.get("text") or "" for c in choices)
+    return f"the answer holds its prompt's text: {answers[:200]!r}" if prompt in answers else ""
+
+
 def send(url: str, headers: dict, name: str, path: str, body: object) -> Answer:
     started = time.monotonic()
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -263,7 +288,7 @@ def send(url: str, headers: dict, name: str, path: str, body: object) -> Answer:
             text = response.read().decode(errors="replace")
     except httpx.HTTPError as error:
         return Answer(name, 0, time.monotonic() - started, f"no answer: {error!r}")
-    problem = _judge(response, text)
+    problem = _judge(response, text) or _leaked(body, response.status_code, text)
     if problem:  # what was sent, to replay it
         problem += f" — sent {raw[:400]!r}"
     return Answer(name, response.status_code, time.monotonic() - started, problem)

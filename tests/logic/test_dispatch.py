@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.engine.types import OUTPUT_START_ARG
 from router import clock, seam
 from router.admission import Admission
 from router.errors import (
@@ -186,6 +187,15 @@ async def test_a_cut_stream_continues_from_the_tokens_sent():
     continuation = p.calls[1]
     assert continuation.prompt == [1, 2, 3, 4, 100, 101]  # the tokens already sent
     assert [c.method for c in d1.calls] == ["decode"]
+    # where the client's prompt ends rides with each leg: their text continues from there
+    for call in (continuation, d1.calls[0]):
+        assert call.params.extra_args[OUTPUT_START_ARG] == 4
+    again = seam.continued(replace(prepared(), **_as_continued(continuation)), [102])
+    assert again.sampling_params.extra_args[OUTPUT_START_ARG] == 4  # a second resume keeps it
+
+
+def _as_continued(call) -> dict:
+    return {"prompt_token_ids": call.prompt, "sampling_params": call.params}
 
 
 async def test_a_stateful_stream_cut_midway_ends_with_an_explicit_error():
