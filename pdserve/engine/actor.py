@@ -234,7 +234,7 @@ class EngineActor:
         self._collector.model = model_from_hf_config(
             model_config.hf_config.to_dict(), self._name, dtype=dtype
         )
-        peaks = resolve_peaks(**self._peaks)
+        peaks = resolve_peaks(**self._peaks, dtype=dtype)
         self._collector.set_peaks(peaks)
         self._stats.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens

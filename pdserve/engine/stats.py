@@ -120,8 +120,14 @@ class StatsCollector:
             record.decode_sequences,
             record.context_tokens,
         )
-        self.stats.estimated_flops_total += cost.linear_flops + cost.attention_flops
+        flops = cost.linear_flops + cost.attention_flops
+        self.stats.estimated_flops_total += flops
         self.stats.estimated_bytes_total += cost.bytes
+        if seconds > 0 and self.stats.peak_flops:
+            # a peak is at least what a step did: utilization stays within [0, 1] whatever the
+            # start-up measurement missed (another kernel, another thread count, turbo)
+            self.stats.peak_flops = max(self.stats.peak_flops, flops / seconds)
+            self.stats.peak_mem_bandwidth = max(self.stats.peak_mem_bandwidth, cost.bytes / seconds)
         if self.step_model is not None:
             self.stats.predicted_busy_seconds_total += self.step_model.cost_seconds(cost)
 

@@ -63,17 +63,23 @@ def step_work(
     return StepWork(cost.linear_flops + cost.attention_flops, cost.bytes)
 
 
-def measure_peaks(threads: int | None = None, seconds: float = 0.5) -> Peaks:
-    """Measure this machine's FLOP/s (a bf16 matrix product) and memory bandwidth (a large copy)
-    with the threads the engine uses. A CPU has no datasheet figures in the planner's catalog;
-    the measured ones make its utilization read as "share of what this core can do"."""
+def measure_peaks(
+    threads: int | None = None, dtype: str = "bfloat16", seconds: float = 0.5
+) -> Peaks:
+    """Measure this machine's FLOP/s (a matrix product in the engine's `dtype`: on a CPU without
+    bf16 instructions a bf16 product is a slow fallback the engine never runs, float32 is what it
+    runs) and memory bandwidth (a large copy) with the threads the engine uses. A CPU has no
+    datasheet figures in the planner's catalog; the measured ones make its utilization read as
+    "share of what this core can do" (the collector raises them to any step that did more:
+    pdserve/engine/stats.py)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     n = 1024
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    kind = getattr(torch, dtype, torch.bfloat16)
+    a = torch.randn(n, n, dtype=kind)
+    b = torch.randn(n, n, dtype=kind)
     flops_rate = _best_rate(lambda: torch.mm(a, b), 2.0 * n**3, seconds / 2)
     size = 64 * 2**20  # 64 MiB: well past the caches
     src = torch.empty(size, dtype=torch.uint8).fill_(1)
@@ -81,8 +87,9 @@ def measure_peaks(threads: int | None = None, seconds: float = 0.5) -> Peaks:
     bytes_rate = _best_rate(lambda: dst.copy_(src), 2.0 * size, seconds / 2)  # read + write
     peaks = Peaks(flops_rate, bytes_rate, "measured")
     logger.info(
-        "measured peaks: %.1f GFLOP/s (bf16 matmul), %.1f GB/s (copy)",
+        "measured peaks: %.1f GFLOP/s (%s matmul), %.1f GB/s (copy)",
         peaks.flops / 1e9,
+        dtype,
         peaks.mem_bandwidth / 1e9,
     )
     return peaks
@@ -107,9 +114,11 @@ def resolve_peaks(
     flops: float | None = None,
     mem_bandwidth: float | None = None,
     threads: int | None = None,
+    dtype: str = "bfloat16",
 ) -> Peaks:
     """This node's peaks: both given in the config; else the catalog entry for `device` (or the
-    detected GPU), with any one given figure overriding it; else measured here (a CPU)."""
+    detected GPU), with any one given figure overriding it; else measured here (a CPU), in the
+    engine's `dtype` with its `threads`."""
     from pdserve.roofline.serving import detect_device
     from pdserve.roofline.specs import DEVICES
 
@@ -121,5 +130,5 @@ def resolve_peaks(
         return Peaks(
             flops or spec.peak_flops, mem_bandwidth or spec.mem_bandwidth, f"catalog:{name}"
         )
-    measured = measure_peaks(threads)
+    measured = measure_peaks(threads, dtype)
     return Peaks(flops or measured.flops, mem_bandwidth or measured.mem_bandwidth, "measured")

@@ -110,6 +110,24 @@ def test_collector_splits_step_time_by_token_mix_and_adds_work():
     assert stats.engine_steps_total == 2 and stats.busy_seconds_total == pytest.approx(0.2)
 
 
+def test_a_step_that_beats_the_measured_peak_raises_it_so_utilization_stays_within_one():
+    """A start-up measurement can miss what the engine does (another dtype's kernel, more
+    threads): the peak is at least what any step achieved, so the window's rate, an average of
+    step rates and idle time, never reads above it."""
+    stats = NodeStats()
+    collector = StatsCollector(stats)
+    collector.model = SMOL
+    collector.set_peaks(Peaks(1e9, 1e9, "measured"))  # far below what the steps below do
+    collector.record(_scheduler(_details(96, 1, 32, 32, 200.0)), None)
+    collector.record(_scheduler(_details(0, 0, 8, 8, 20.0)), None)
+    first = 128 * linear_flops_per_token(SMOL) / 0.2
+    assert stats.peak_flops >= first and stats.peak_mem_bandwidth > 1e9
+    history = [_sample(0), _sample(0.22, stats.estimated_flops_total, stats.estimated_bytes_total)]
+    window = Window.of(history, 60)
+    assert window.flops / stats.peak_flops <= 1.0
+    assert window.bytes / stats.peak_mem_bandwidth <= 1.0
+
+
 def test_queue_time_histogram_buckets():
     stats = NodeStats()
     for seconds in (0.0005, 0.003, 0.003, 12.0, 100.0):
