@@ -629,3 +629,17 @@ async def test_grpc_reports_cached_tokens_only_where_the_setting_says(router):
             await server.stop(grace=1)
     router.reset()
     assert reported == {False: 0, True: 64}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_grpc_takes_logprob_token_ids(router):
+    router.reset()
+    sampling = pb.SamplingOptions(max_tokens=3, logprobs=2, logprob_token_ids=[30, 1000])
+    request = pb.GenerateRequest(text="hi", sampling=sampling)
+    auth = (("authorization", f"Bearer {KEY}"),)
+    async with grpc.aio.insecure_channel(router.grpc) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        replies = [r async for r in stub.Generate(request, metadata=auth)]
+    assert sum(len(r.logprobs) for r in replies) == 3  # one entry per token, across the seam
+    asked = [c.params.logprob_token_ids for n in router.nodes.values() for c in n.calls]
+    assert asked and all(list(ids) == [30, 1000] for ids in asked)  # every leg was asked
