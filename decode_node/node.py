@@ -1,8 +1,8 @@
 """A decode node: a Ray actor hosting vLLM whose KV connector plays the consumer.
 
 Life of a request here:
-1. The router calls `decode(request_id, prompt_token_ids, params, first_token_ids, handle)`:
-   the prompt, the first token if the prefill node sampled it, and the KV handle.
+1. The router sends a `Decode` leg (pdserve/engine/legs.py): the prompt, the first token if the
+   prefill node sampled it, and the KV handle.
 2. With a first token, the node runs prompt + first token with the rest of the client's budget
    (`max_tokens - 1`); without (the router's seam policy, router/seam.py), the bare prompt with
    the whole budget, so this engine samples every token, the first included, with all of the
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 from pdserve.engine import budget
 from pdserve.engine.actor import EngineActor
-from pdserve.engine.legs import leg_params
+from pdserve.engine.legs import Decode, leg_params
 from pdserve.engine.types import KVLoadFailed, TokenDelta
 
 FAILURE_REASON_WAIT_S = 2.0
@@ -45,24 +45,20 @@ def decode_params(params: Any, handle: dict[str, Any], first_tokens: int) -> Any
 class DecodeNode(EngineActor):
     ROLE = "decode"
 
-    async def decode(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: Any,
-        first_token_ids: list[int],
-        handle: dict[str, Any],
-    ) -> AsyncIterator[TokenDelta]:
-        """The request's tokens after `first_token_ids` (all of them when that is empty), decoded
-        from the prefill node's KV."""
-        params = decode_params(sampling_params, handle, len(first_token_ids))
-        tokens = prompt_token_ids + first_token_ids
+    def handler(self, leg: Any) -> Callable[[Any], AsyncIterator[TokenDelta]]:
+        return self.decode if type(leg) is Decode else super().handler(leg)
+
+    async def decode(self, leg: Decode) -> AsyncIterator[TokenDelta]:
+        """The request's tokens after `leg.first_token_ids` (all of them when that is empty),
+        decoded from the prefill node's KV."""
+        prompt, first = leg.prompt_token_ids, leg.first_token_ids
+        params = decode_params(leg.params, leg.handle, len(first))
         # the text continues after the client's prompt, not after the first tokens (they may
         # end halfway through a character: pdserve/engine/text.py)
-        async for delta in self._run(request_id, tokens, params, len(prompt_token_ids)):
+        async for delta in self._run(leg.request_id, prompt + first, params, len(prompt)):
             if delta.finish_reason == "error":
-                raise await self._kv_failure(request_id)
-            yield replace(delta, num_prompt_tokens=len(prompt_token_ids))
+                raise await self._kv_failure(leg.request_id)
+            yield replace(delta, num_prompt_tokens=len(prompt))
 
     async def prefetch(
         self, key: str, host: str, ports: list[int], num_tokens: int, block_size: int

@@ -1,9 +1,9 @@
 """A prefill node: a Ray actor hosting vLLM whose KV connector plays the producer.
 
 Life of a request here:
-1. The router calls `prefill(request_id, prompt_token_ids, params, sample_first, readers)`. The
-   node runs the prompt with `max_tokens=1` and asks its connector to keep the KV for `readers`
-   remote decodes (`do_remote_decode`).
+1. The router sends a `Prefill` leg (pdserve/engine/legs.py: request id, prompt, params,
+   sample_first, readers, prefetch key). The node runs the prompt with `max_tokens=1` and asks
+   its connector to keep the KV for `readers` remote decodes (`do_remote_decode`).
 2. The engine computes the prompt's KV cache and samples one token. With `sample_first` (the
    router's seam policy, router/seam.py) it samples with the client's parameters and the token
    streams back at once as the request's first (the client's time to first token is this
@@ -18,11 +18,11 @@ Life of a request here:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.engine.actor import EngineActor
-from pdserve.engine.legs import leg_params
+from pdserve.engine.legs import Prefill, leg_params
 from pdserve.engine.types import TokenDelta
 from pdserve.kv.handle import producer_params
 
@@ -47,20 +47,15 @@ def prefill_params(params: Any, sample_first: bool, readers: int, prefetch: str 
 class PrefillNode(EngineActor):
     ROLE = "prefill"
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: Any,
-        sample_first: bool = True,
-        readers: int = 1,
-        prefetch: str = "",
-    ) -> AsyncIterator[TokenDelta]:
-        """The prompt's KV, kept for `readers` decode legs, and one token (the request's first
-        when `sample_first`); the last delta carries the KV handle. With a `prefetch` key, a
-        decode node follows the prefill as it runs (prefill_node/progress.py)."""
-        params = prefill_params(sampling_params, sample_first, readers, prefetch)
-        async for delta in self._run(request_id, prompt_token_ids, params):
+    def handler(self, leg: Any) -> Callable[[Any], AsyncIterator[TokenDelta]]:
+        return self.prefill if type(leg) is Prefill else super().handler(leg)
+
+    async def prefill(self, leg: Prefill) -> AsyncIterator[TokenDelta]:
+        """The prompt's KV, kept for `leg.readers` decode legs, and one token (the request's
+        first when `sample_first`); the last delta carries the KV handle. With a `prefetch` key,
+        a decode node follows the prefill as it runs (prefill_node/progress.py)."""
+        params = prefill_params(leg.params, leg.sample_first, leg.readers, leg.prefetch)
+        async for delta in self._run(leg.request_id, leg.prompt_token_ids, params):
             yield delta
 
     async def end_follow(self, key: str) -> bool:

@@ -36,6 +36,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, Protocol
 
+from pdserve.engine.legs import Decode, Prefill, Whole
 from pdserve.engine.types import KVLoadFailed, TokenDelta
 from router import clock, seam
 from router.errors import EngineFailed, KVTransferFailed
@@ -166,16 +167,14 @@ class Dispatcher:
                     ended = True
                     return  # EOS or a stop token at the first token: no KV was kept
                 first_tokens = first.token_ids
-            leg = self.decode.stream(
-                route.node,
-                "decode",
+            decode = Decode(
                 f"{prepared.internal_id}-d",
                 prepared.prompt_token_ids,
                 prepared.sampling_params,
                 first_tokens,
                 first.handle,
-                deadline=deadline,
             )
+            leg = self.decode.stream(route.node, decode, deadline)
             async with aclosing(leg):
                 async for delta in leg:
                     if handed_over is not None and delta.token_ids:
@@ -232,17 +231,15 @@ class Dispatcher:
         `prefetch`: the key a decode node follows it under."""
         tokens, text, logprobs, first, last = [], [], [], None, None
         params = prepared.sampling_params
-        leg = self.prefill.stream(
-            node,
-            "prefill",
+        prefill = Prefill(
             f"{prepared.internal_id}-p",
             prepared.prompt_token_ids,
             params,
             sample_first,
-            params.n,
-            *((prefetch,) if prefetch else ()),
-            deadline=deadline,
+            readers=params.n,
+            prefetch=prefetch,
         )
+        leg = self.prefill.stream(node, prefill, deadline)
         async with aclosing(leg):
             async for delta in leg:
                 tokens += delta.token_ids
@@ -268,14 +265,8 @@ async def _relay(
     pool: Pool, node: Node, prepared: PreparedRequest, deadline: float
 ) -> AsyncIterator[TokenDelta]:
     """A whole request on one node."""
-    leg = pool.stream(
-        node,
-        "generate",
-        prepared.internal_id,
-        prepared.prompt_token_ids,
-        prepared.sampling_params,
-        deadline=deadline,
-    )
+    whole = Whole(prepared.internal_id, prepared.prompt_token_ids, prepared.sampling_params)
+    leg = pool.stream(node, whole, deadline)
     async with aclosing(leg):
         async for delta in leg:
             yield delta

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.legs import Leg
 from pdserve.engine.types import NodeInfo, NodeStats, TokenDelta
 from router import clock
 from router.prefixes import NodePrefixes
@@ -26,10 +27,10 @@ class NodeClient(ABC):
     died or cannot be reached; any other exception is the node's own answer."""
 
     @abstractmethod
-    def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
-        """Call one of the node's streaming methods ("generate", "prefill", "decode") and yield
-        its deltas. Closing the iterator before the last delta cancels the call on the node,
-        which aborts the request in its engine and frees its blocks."""
+    def stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
+        """Run one leg (pdserve/engine/legs.py: a whole request, a prefill or a decode) on the
+        node and yield its deltas. Closing the iterator before the last delta cancels the call
+        on the node, which aborts the request in its engine and frees its blocks."""
 
     @abstractmethod
     async def start(self) -> NodeInfo:

@@ -33,6 +33,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.engine.legs import Leg, computes_prompt
 from pdserve.engine.types import NodeInfo, RequestRejected, TokenDelta
 from router import clock
 from router.errors import DeadlineExceeded, InvalidRequest, NodeFailed, PoolUnavailable
@@ -123,10 +124,6 @@ class _Watch:
             self._timer.cancel()
 
 
-COMPUTES_PROMPT = ("prefill", "generate")
-"""Node methods that compute the prompt (a decode leg loads it)."""
-
-
 class Pool:
     def __init__(
         self,
@@ -164,22 +161,15 @@ class Pool:
             logger.error("%s node %s left the pool: %s", self.name, node.name, why)
         node.healthy = False
 
-    async def stream(
-        self,
-        node: Node,
-        method: str,
-        request_id: str,
-        prompt_token_ids: list[int],
-        *args: Any,
-        deadline: float,
-    ) -> AsyncIterator[TokenDelta]:
-        """Yield `node.method(request_id, prompt_token_ids, *args)`'s deltas until the request
-        finishes or `deadline` (monotonic) passes."""
+    async def stream(self, node: Node, leg: Leg, deadline: float) -> AsyncIterator[TokenDelta]:
+        """Yield the deltas of `leg` run on `node` until the leg finishes or `deadline`
+        (monotonic) passes."""
+        prompt_token_ids, request_id = leg.prompt_token_ids, leg.request_id
         node.outstanding += 1
         node.outstanding_prompt_tokens += len(prompt_token_ids)
-        computing = len(prompt_token_ids) if method in COMPUTES_PROMPT else 0
+        computing = len(prompt_token_ids) if computes_prompt(leg) else 0
         node.prefilling_tokens += computing
-        deltas = node.client.stream(method, request_id, prompt_token_ids, *args)
+        deltas = node.client.stream(leg)
         try:  # closing the node's stream (below) cancels the call on the node
             async with asyncio.timeout(max(0.0, deadline - clock.now())):
                 async for delta in self._while_heard(node, deltas):

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from pdserve.engine.legs import Leg
 from pdserve.engine.types import EngineDown, NodeInfo, NodeStats, TokenDelta
 from router.errors import NodeFailed
 from router.nodes import NodeClient
@@ -50,16 +51,16 @@ class RayNodeClient(NodeClient):
         self._tokens: TokenStream | None = None
         self._connecting = asyncio.Lock()
 
-    async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
+    async def stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
         if not self.direct:
-            async for delta in self._ray_stream(method, *args):
+            async for delta in self._ray_stream(leg):
                 yield delta
             return
         try:
             tokens = await self._token_stream()
 
             def call(key: bytes, tag: int) -> Any:
-                return self.handle.relay.remote(key, tag, method, *args)
+                return self.handle.relay.remote(key, tag, leg)
 
             async for delta in tokens.stream(call, ray.cancel):
                 yield delta
@@ -82,8 +83,8 @@ class RayNodeClient(NodeClient):
                 )
             return self._tokens
 
-    async def _ray_stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
-        call = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
+    async def _ray_stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
+        call = self.handle.stream.options(num_returns="streaming").remote(leg)
         ended = False  # the node's generator ran out: nothing left there to cancel
         try:
             async for ref in call:
@@ -99,7 +100,7 @@ class RayNodeClient(NodeClient):
             # still run there, and a caller leaving now must stop them too
             if not ended:
                 ray.cancel(call)
-                logger.info("%s call %s cancelled on the node", method, args[0] if args else "")
+                logger.info("%s leg %s cancelled on the node", leg.KIND, leg.request_id)
 
     async def start(self) -> NodeInfo:
         return await self._call("start")

@@ -1,14 +1,14 @@
 """A vLLM `AsyncLLM` hosted in a Ray actor: what every node of every pool is made of.
 
 Life of a request through an engine actor:
-1. The router opens one of the actor's streaming methods through `relay`, one Ray call per
-   request or leg, with (request_id, token_ids, params): `generate` here serves a whole request
-   (colocated nodes, and a decode node prefilling for itself); the roles add theirs —
-   `PrefillNode.prefill` (prefill_node/node.py) and `DecodeNode.decode` (decode_node/node.py).
-   The prompt is already tokenized, so the engine never re-tokenizes or re-applies a template.
-   (With `router.token_stream: ray` the router calls the streaming method itself, as a Ray
-   streaming call.)
-2. vLLM runs it with `RequestOutputKind.DELTA`; the method yields one `TokenDelta` per engine
+1. The router sends a leg (pdserve/engine/legs.py) through `relay`, one Ray call per request or
+   leg, and the actor runs it by its type (`handler`): a `Whole` leg here (`generate`: colocated
+   nodes, and a decode node prefilling for itself); the roles add theirs — `Prefill`
+   (`PrefillNode.prefill`, prefill_node/node.py) and `Decode` (`DecodeNode.decode`,
+   decode_node/node.py). The prompt is already tokenized, so the engine never re-tokenizes or
+   re-applies a template. (With `router.token_stream: ray` the router calls `stream` itself, as
+   a Ray streaming call.)
+2. vLLM runs it with `RequestOutputKind.DELTA`; the handler yields one `TokenDelta` per engine
    output (the new token ids, their text, and on the last one the finish reason), and `relay`
    queues each on the router's token stream (pdserve/engine/deltas.py), which sends one frame per
    event-loop turn for all of that router's requests here.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -35,6 +35,7 @@ import ray
 from pdserve.config import EngineConfig, PoolConfig, cpu_preload_paths
 from pdserve.engine import dtype
 from pdserve.engine.deltas import END, DeltaServer, ending, server_tls
+from pdserve.engine.legs import Whole
 from pdserve.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve.engine.text import ContinuedText
 from pdserve.engine.types import (
@@ -253,15 +254,22 @@ class EngineActor:
             self._stats.step_model_source,
         )
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
-    ) -> AsyncIterator[TokenDelta]:
+    async def generate(self, leg: Whole) -> AsyncIterator[TokenDelta]:
         """A whole request on this engine: prefill and decode."""
-        async for delta in self._run(request_id, prompt_token_ids, sampling_params):
+        async for delta in self._run(leg.request_id, leg.prompt_token_ids, leg.params):
             yield delta
 
-    RELAYED = frozenset({"generate", "prefill", "decode"})
-    """The streaming methods a router may open through `relay`."""
+    def handler(self, leg: Any) -> Callable[[Any], AsyncIterator[TokenDelta]]:
+        """The method that runs `leg` here, by its type; the roles add theirs (a node runs only
+        the legs its role has)."""
+        if type(leg) is Whole:
+            return self.generate
+        raise ValueError(f"{self._name} runs no {type(leg).__name__} legs")
+
+    async def stream(self, leg: Any) -> AsyncIterator[TokenDelta]:
+        """`leg`'s deltas as a Ray streaming call (`router.token_stream: ray`)."""
+        async for delta in self.handler(leg)(leg):
+            yield delta
 
     async def delta_endpoint(self) -> tuple[str, int]:
         """Where a router connects for its token stream (pdserve/engine/deltas.py)."""
@@ -270,24 +278,23 @@ class EngineActor:
             self._stream_context = server_tls(self._stream_tls)
         return await self._deltas.endpoint(host, _advertised_host(host), self._stream_context)
 
-    async def relay(self, key: bytes, tag: int, method: str, *args: Any) -> None:
-        """Run one of the streaming methods and send its deltas on the router's token stream
-        `key` under `tag`, then `END` or the exception that ended it. The router cancels this
-        call to stop the request (vLLM aborts it and frees its blocks)."""
-        if method not in self.RELAYED or not hasattr(self, method):
-            raise ValueError(f"{self._name} has no streaming method {method!r}")
+    async def relay(self, key: bytes, tag: int, leg: Any) -> None:
+        """Run `leg` and send its deltas on the router's token stream `key` under `tag`, then
+        `END` or the exception that ended it. The router cancels this call to stop the request
+        (vLLM aborts it and frees its blocks)."""
+        run = self.handler(leg)
         channel = self._deltas.channel(key)
         try:
-            async with aclosing(getattr(self, method)(*args)) as deltas:
+            async with aclosing(run(leg)) as deltas:
                 async for delta in deltas:
                     channel.send(tag, delta)
                     if channel.congested:
                         await channel.drain()
                     if channel.closed:  # the router is gone: nobody reads this request
-                        logger.info("%s: %s's router left; stopping it", self._name, args[0])
+                        logger.info("%s: %s's router left; stopping it", self._name, leg.request_id)
                         return
         except Exception as error:  # the request's end, told in order after its deltas
-            channel.send(tag, ending(error, f"{method} on {self._name}"))
+            channel.send(tag, ending(error, f"{leg.KIND} on {self._name}"))
             return
         channel.send(tag, END)
 

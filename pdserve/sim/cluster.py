@@ -34,10 +34,10 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from pdserve.bench.stats import RequestRecord
 from pdserve.config import AutoscaleConfig, PlacementConfig, RouterConfig
+from pdserve.engine.legs import Leg, Prefill, Whole
 from pdserve.engine.types import NodeStats, TokenDelta
 from pdserve.roofline.model import kv_bytes_per_token
 from pdserve.roofline.specs import ModelSpec
@@ -166,7 +166,7 @@ class _Seq:
 
 class SimNode(NodeClient):
     """One simulated engine, reached the way the router reaches a node: `stream` runs a leg
-    ("generate", "prefill", "decode") and yields its tokens as the engine's steps sample them;
+    (pdserve/engine/legs.py: `Whole`, `Prefill`, `Decode`) and yields its tokens as the engine's steps sample them;
     `check_health` and `stats` answer the pool's health checks. It serves either role, so the
     autoscaler may move it."""
 
@@ -180,21 +180,18 @@ class SimNode(NodeClient):
 
     # -- the node as the router calls it ---------------------------------------------------------
 
-    def stream(self, method: str, request_id: str, prompt: list[int], params: Any, *rest: Any):
-        return self._leg(method, len(prompt), params, *rest)
-
-    async def _leg(self, method: str, prompt: int, params: Any, *rest: Any):
+    async def stream(self, leg: Leg):
         deltas = _Mailbox()
-        if method == "generate":
+        prompt, params = len(leg.prompt_token_ids), leg.params
+        if isinstance(leg, Whole):
             seq = _Seq(prompt, params.max_tokens, 0, deltas)
-        elif method == "prefill":
+        elif isinstance(leg, Prefill):
             seq = _Seq(prompt, 1, 0, deltas, handle={"num_tokens": prompt})
         else:  # decode: the prompt's KV is pulled, the first token (when given) computed here
-            first_tokens, handle = rest
             topology = self.topology
-            kv_bytes = handle["num_tokens"] * kv_bytes_per_token(topology.model)
+            kv_bytes = leg.handle["num_tokens"] * kv_bytes_per_token(topology.model)
             pull_s = kv_bytes / topology.link_bytes_per_s + topology.link_latency_s
-            seq = _Seq(1, params.max_tokens - len(first_tokens), prompt, deltas, pull_s)
+            seq = _Seq(1, params.max_tokens - len(leg.first_token_ids), prompt, deltas, pull_s)
             await asyncio.sleep(topology.handover_latency_s)
         self._add(seq)
         try:

@@ -20,6 +20,7 @@ import ray
 from decode_node.node import DecodeNode
 from pdserve.config import EngineConfig, PoolConfig
 from pdserve.engine.actor import EngineActor, create_engine_actor
+from pdserve.engine.legs import Decode, Leg, Prefill, Whole
 from pdserve.engine.types import TokenDelta
 from pdserve.kv import vllm_kv_transfer_config
 from pdserve.kv.settings import ConnectorSettings
@@ -87,14 +88,18 @@ def greedy(max_tokens: int):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-async def call(actor, method: str, *args: Any) -> list[TokenDelta]:
-    """All deltas of one streaming call (`method` is generate, prefill or decode)."""
-    stream = getattr(actor, method).options(num_returns="streaming").remote(*args)
+async def call(actor, leg: Leg) -> list[TokenDelta]:
+    """All deltas of one leg, run as a Ray streaming call (`EngineActor.stream`)."""
+    stream = actor.stream.options(num_returns="streaming").remote(leg)
     return [await ref async for ref in stream]
 
 
 async def generate(actor, token_ids: list[int], params, request_id: str) -> list[TokenDelta]:
-    return await call(actor, "generate", request_id, token_ids, params)
+    return await call(actor, Whole(request_id, token_ids, params))
+
+
+async def decode(actor, prompt: list[int], params, first: list[int], handle) -> list[TokenDelta]:
+    return await call(actor, Decode(rid("decode"), prompt, params, first, handle))
 
 
 def tokens(deltas: list[TokenDelta]) -> list[int]:
@@ -118,7 +123,7 @@ class PDResult:
 
 async def prefill(p, prompt: list[int], max_tokens: int) -> list[TokenDelta]:
     """The prefill leg alone; its last delta carries the handle."""
-    first = await call(p, "prefill", rid("prefill"), prompt, greedy(max_tokens))
+    first = await call(p, Prefill(rid("prefill"), prompt, greedy(max_tokens)))
     handle = first[-1].handle
     assert handle and handle.get("do_remote_prefill"), f"producer returned no handle: {first[-1]}"
     return first
@@ -133,7 +138,7 @@ async def disaggregated(p, d, prompt: list[int], max_tokens: int, mutate=None) -
         handle = dict(handle)
         mutate(handle)
     first_token = tokens(first)
-    rest = await call(d, "decode", rid("decode"), prompt, greedy(max_tokens), first_token, handle)
+    rest = await decode(d, prompt, greedy(max_tokens), first_token, handle)
     return PDResult(first_token + tokens(rest), handle, rest, time.monotonic() - started)
 
 

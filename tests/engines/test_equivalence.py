@@ -13,8 +13,8 @@ import pytest
 
 from pdserve.engine.types import OUTPUT_START_ARG
 from tests.engines.harness import (
-    call,
     consumer,
+    decode,
     disaggregated,
     generate,
     greedy,
@@ -107,8 +107,7 @@ async def test_text_across_the_seam_is_one_engines_whatever_byte_a_token_ends_on
         text = [d.text for d in expected]
         partial += sum(piece == "" for piece in text[:3])
         first = await prefill(engines["p"], prompt, 12)
-        args = (prompt, greedy(12), tokens(first), first[-1].handle)
-        rest = await call(engines["d"], "decode", rid("decode"), *args)
+        rest = await decode(engines["d"], prompt, greedy(12), tokens(first), first[-1].handle)
         assert tokens(first + rest) == tokens(expected)
         assert "".join(d.text for d in first + rest) == "".join(text), words
         for sent in (1, 2):  # a stream resumed after `sent` tokens, on the plain engine

@@ -21,8 +21,8 @@ import ray
 from pdserve.engine.types import KVLoadFailed
 from tests.engines.harness import (
     SECRET,
-    call,
     consumer,
+    decode,
     disaggregated,
     generate,
     greedy,
@@ -142,9 +142,7 @@ async def test_expired_lease(engines, corpus):
 
     await wait_for(lease_ended, LEASE_S + 10, "the lease to end and its blocks to be freed")
     before = await failures(engines["d"], "lease_expired")
-    rest = await call(
-        engines["d"], "decode", rid("d"), prompt, greedy(MAX_TOKENS), tokens(first), handle
-    )
+    rest = await decode(engines["d"], prompt, greedy(MAX_TOKENS), tokens(first), handle)
     assert tokens(first) + tokens(rest) == expected
     assert await failures(engines["d"], "lease_expired") == before + 1
 
@@ -233,9 +231,8 @@ async def test_producer_killed_mid_transfer(engines, corpus):
     first = await prefill(engines["p"], prompt, MAX_TOKENS)
     handle = first[-1].handle
     decoding = asyncio.ensure_future(
-        call(engines["d"], "decode", rid("decode"), prompt, greedy(MAX_TOKENS), tokens(first),
-             handle)
-    )  # fmt: skip
+        decode(engines["d"], prompt, greedy(MAX_TOKENS), tokens(first), handle)
+    )
     (port,) = handle["remote_ports"]
 
     async def pulling():

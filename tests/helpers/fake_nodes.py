@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+from pdserve.engine.legs import Decode, Leg, Prefill
 from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejected, TokenDelta
 from router.dispatch import Dispatcher
 from router.errors import NodeFailed
@@ -63,14 +64,27 @@ def _with_logprobs(plan: list[TokenDelta], prompt: list[int], params: Any) -> li
 
 @dataclass
 class Call:
-    method: str
-    request_id: str
-    prompt: list[int]
-    args: tuple
-    params: Any = None
+    leg: Leg
     deltas: int = 0
     cancelled: bool = False
     finished: bool = False
+
+    @property
+    def method(self) -> str:
+        """The leg's kind: "generate", "prefill" or "decode"."""
+        return self.leg.KIND
+
+    @property
+    def request_id(self) -> str:
+        return self.leg.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.leg.prompt_token_ids)
+
+    @property
+    def params(self) -> Any:
+        return self.leg.params
 
 
 @dataclass
@@ -116,22 +130,22 @@ class FakeNode(NodeClient):
     def token(self, position: int) -> TokenDelta:
         return TokenDelta([96 + position], f" t{position}")
 
-    async def stream(self, method: str, *args: Any) -> AsyncIterator[TokenDelta]:
-        request_id, prompt, params, *rest = args
-        call = Call(method, request_id, list(prompt), tuple(rest), params)
+    async def stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
+        request_id, prompt, params = leg.request_id, leg.prompt_token_ids, leg.params
+        call = Call(leg)
         self.calls.append(call)
         start = len(prompt)
-        if method == "prefill":
-            sample_first = rest[0]
-            plan = [self.token(start) if sample_first else TokenDelta([999], " kv-only")]
-        elif method == "decode":
-            first = len(rest[0])
+        prefill = isinstance(leg, Prefill)
+        if prefill:
+            plan = [self.token(start) if leg.sample_first else TokenDelta([999], " kv-only")]
+        elif isinstance(leg, Decode):
+            first = len(leg.first_token_ids)
             plan = [self.token(start + i) for i in range(first, params.max_tokens)]
         else:
             plan = [self.token(start + i) for i in range(params.max_tokens)]
         if plan:
-            finish = "stop" if method == "prefill" and self.first_finishes else "length"
-            handle = {"node": self.name, "request": request_id} if method == "prefill" else None
+            finish = "stop" if prefill and self.first_finishes else "length"
+            handle = {"node": self.name, "request": request_id} if prefill else None
             plan[-1] = TokenDelta(plan[-1].token_ids, plan[-1].text, finish, None, 0, handle)
         plan = [replace(delta, num_prompt_tokens=len(prompt)) for delta in plan]
         if plan and self.cached_tokens is not None:
@@ -148,7 +162,7 @@ class FakeNode(NodeClient):
                 if self.silent_after is not None and index >= self.silent_after:
                     self.silent_after, self.silent = None, True
                 await self._hang_while_silent()
-                if method == "decode" and self.kv_failure:
+                if isinstance(leg, Decode) and self.kv_failure:
                     raise KVLoadFailed("connect", "cannot reach KV server")
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)

@@ -68,7 +68,7 @@ async def test_the_seam_prefill_gives_the_first_token_decode_the_rest():
     (prefill,), (decode,) = p.calls, d.calls
     assert prefill.method == "prefill" and decode.method == "decode"
     assert decode.prompt == prefill.prompt == [1, 2, 3, 4]
-    first_tokens, handle = decode.args
+    first_tokens, handle = decode.leg.first_token_ids, decode.leg.handle
     assert first_tokens == [100] and handle == {"node": "p0", "request": prefill.request_id}
 
 
@@ -442,15 +442,16 @@ async def test_first_token_on_decode_the_prefill_only_computes_kv():
     got = await collect(disaggregated([p], [d]), prepared(max_tokens=4, stop=["x"]))
     assert tokens(got) == [100, 101, 102, 103]  # all from the decode node; never the 999
     (prefill,), (decode,) = p.calls, d.calls
-    assert prefill.args == (False, 1)  # not the client's token; one reader
-    first_tokens, handle = decode.args
+    assert (prefill.leg.sample_first, prefill.leg.readers) == (False, 1)  # not the client's; one
+    first_tokens, handle = decode.leg.first_token_ids, decode.leg.handle
     assert first_tokens == [] and handle["request"] == prefill.request_id
 
 
 async def test_n_sequences_share_one_prefill():
     p, d = FakeNode("p0"), FakeNode("d0")
     await collect(disaggregated([p], [d]), prepared(max_tokens=3, n=3))
-    assert len(p.calls) == 1 and p.calls[0].args == (False, 3)  # a lease for three readers
+    (call,) = p.calls
+    assert (call.leg.sample_first, call.leg.readers) == (False, 3)  # a lease for three readers
 
 
 async def test_prompt_logprobs_and_one_token_requests_run_on_one_engine():
@@ -491,7 +492,7 @@ async def test_a_decode_node_that_takes_prefetches_follows_the_prefill_under_one
     dispatcher = disaggregated([p], [d])
     prefill_node, decode_node = dispatcher.prefill.nodes[0], dispatcher.decode.nodes[0]
     await collect(dispatcher, prepared(max_tokens=3))
-    assert d.prefetches == [] and len(p.calls[0].args) == 2  # (sample_first, n): no key
+    assert d.prefetches == [] and p.calls[0].leg.prefetch == ""  # no key
     prefill_node.info = replace(prefill_node.info, kv_host="127.9.0.1", kv_ports=(7100, 7101))
     await collect(dispatcher, prepared(max_tokens=3))
     assert d.prefetches == []  # the decode node takes none
@@ -502,4 +503,4 @@ async def test_a_decode_node_that_takes_prefetches_follows_the_prefill_under_one
     keys = [ask[0] for ask in d.prefetches]
     assert [ask[1:] for ask in d.prefetches] == [("127.9.0.1", (7100, 7101), 4, 128)] * 2
     assert len(set(keys)) == 2 and all(len(key) == 32 for key in keys)
-    assert [call.args[2] for call in p.calls[2:]] == keys  # the prefill leg carries its key
+    assert [call.leg.prefetch for call in p.calls[2:]] == keys  # the prefill leg carries its key

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdserve.engine.legs import Whole
 from router.nodes import NodeClient
 from tests.helpers.fake_nodes import FakeNode, pool
 
@@ -269,9 +270,8 @@ async def test_a_stuck_engine_is_ended_its_streams_go_elsewhere_and_it_is_rebuil
     request = prepared()
 
     async def run():
-        async for _ in decode.stream(
-            node, "generate", "r", [1, 2], request.sampling_params, deadline=time.monotonic() + 60
-        ):
+        leg = Whole("r", [1, 2], request.sampling_params)
+        async for _ in decode.stream(node, leg, time.monotonic() + 60):
             pass
 
     stream = asyncio.create_task(run())

@@ -35,6 +35,7 @@ def test_serve_starts_its_own_ray_whatever_cluster_the_machine_last_started():
 EARLY_CLOSE = """
 import asyncio, time
 import ray
+from pdserve.engine.legs import Whole
 from pdserve.engine.types import TokenDelta
 from router.ray_nodes import RayNodeClient
 
@@ -43,7 +44,7 @@ class Node:
     def __init__(self):
         self.ended = None
 
-    async def generate(self, request_id):
+    async def stream(self, leg):
         try:
             yield TokenDelta([1], "a", finish_reason="length", index=0)  # sequence 0 is done
             await asyncio.sleep(3600)  # sequence 1 still decoding
@@ -58,7 +59,7 @@ class Node:
 async def main():
     node = Node.remote()
     client = RayNodeClient(node, direct=False)  # Ray streaming calls (router.token_stream: ray)
-    stream = client.stream("generate", "r1")
+    stream = client.stream(Whole("r1", [1], None))
     first = await anext(stream)
     assert first.finish_reason == "length" and first.index == 0
     await stream.aclose()  # the caller leaves while sequence 1 runs

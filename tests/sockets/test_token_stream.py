@@ -23,6 +23,7 @@ import asyncio, json, os, socket, time
 import ray
 from pdserve.engine.deltas import client_tls
 from pdserve.engine.actor import EngineActor
+from pdserve.engine.legs import Decode, Prefill, Whole
 from pdserve.engine.types import RequestRejected, TokenDelta
 from router.errors import NodeFailed
 from router.ray_nodes import RayNodeClient
@@ -41,7 +42,12 @@ class Scripted(EngineActor):
         super().__init__(*args)
         self.cancelled = 0
 
-    async def generate(self, request_id, count, pause=0.0, fail_after=None):
+    def handler(self, leg):
+        scripted = {Whole: self.scripted, Prefill: self.failing}.get(type(leg))
+        return scripted or super().handler(leg)
+
+    async def scripted(self, leg):
+        request_id, (count, pause, fail_after) = leg.request_id, leg.params
         try:
             for i in range(count):
                 if fail_after is not None and i == fail_after:
@@ -52,7 +58,8 @@ class Scripted(EngineActor):
             self.cancelled += 1
             raise
 
-    async def prefill(self, request_id, what):
+    async def failing(self, leg):
+        what = leg.params
         yield TokenDelta([0], "0")
         if what == "value":
             raise ValueError("a value the engine refused")
@@ -68,6 +75,10 @@ class Scripted(EngineActor):
         )
 
 
+def whole(request_id, count, pause=0.0, fail_after=None):
+    return Whole(request_id, [], (count, pause, fail_after))
+
+
 async def collect(stream):
     return [d.token_ids[0] async for d in stream]
 
@@ -78,12 +89,12 @@ async def main():
     client = RayNodeClient(actor, "node-a", secret=SECRET)
 
     # 1. in order, to its end
-    got = await collect(client.stream("generate", "r1", 5))
+    got = await collect(client.stream(whole("r1", 5)))
     print("ORDER", got == [0, 1, 2, 3, 4])
 
     # 2. many streams at once share frames: one loop turn's deltas leave together
     _, frames0, items0, _ = await actor.counts.remote()
-    streams = [client.stream("generate", f"m{i}", 20, 0.01) for i in range(16)]
+    streams = [client.stream(whole(f"m{i}", 20, 0.01)) for i in range(16)]
     results = await asyncio.gather(*map(collect, streams))
     _, frames1, items1, channels = await actor.counts.remote()
     items, frames = items1 - items0, frames1 - frames0
@@ -93,7 +104,7 @@ async def main():
     # 3. the node's refusal arrives after the deltas before it, as itself
     seen = []
     try:
-        async for d in client.stream("generate", "r3", 5, 0.0, 2):
+        async for d in client.stream(whole("r3", 5, 0.0, 2)):
             seen.append(d.token_ids[0])
         print("REFUSED", False)
     except RequestRejected as error:
@@ -102,24 +113,24 @@ async def main():
     # 4. anything else the node raises arrives as the class the router tells apart (vLLM's
     # server reads a ValueError as the client's mistake), else as a RuntimeError naming it
     try:
-        await collect(client.stream("prefill", "r4", "value"))
+        await collect(client.stream(Prefill("r4", [], "value")))
         print("OTHER", False)
     except ValueError as error:
         try:
-            await collect(client.stream("prefill", "r4b", "crash"))
+            await collect(client.stream(Prefill("r4b", [], "crash")))
             print("OTHER", False)
         except RuntimeError as crash:
             print("OTHER", "Unpicklable" in str(crash) and "node-a" in str(crash))
 
-    # 5. a method that is not a stream is refused by the node
+    # 5. a leg this node's role does not run is refused by the node
     try:
-        await collect(client.stream("counts"))
+        await collect(client.stream(Decode("r5", [], None, [1], {})))
         print("METHOD", False)
     except Exception as error:
-        print("METHOD", "no streaming method" in str(error))
+        print("METHOD", "runs no Decode legs" in str(error))
 
     # 6. the caller leaving cancels the request on the node
-    stream = client.stream("generate", "r6", 1000, 0.05)
+    stream = client.stream(whole("r6", 1000, 0.05))
     await anext(stream)
     await stream.aclose()
     deadline = time.monotonic() + 30
@@ -129,7 +140,7 @@ async def main():
 
     # 6b. the router's connection breaks (the router died): the node stops the request
     gone = RayNodeClient(actor, "node-a", secret=SECRET)
-    orphan = gone.stream("generate", "r6b", 1000, 0.05)
+    orphan = gone.stream(whole("r6b", 1000, 0.05))
     await anext(orphan)
     gone._tokens._writer.transport.abort()
     deadline = time.monotonic() + 30
@@ -153,7 +164,7 @@ async def main():
     except NodeFailed:
         pass
     try:
-        await collect(client.stream("generate", "r7", 3))  # others' streams are unaffected
+        await collect(client.stream(whole("r7", 3)))  # others' streams are unaffected
         print("HOSTILE", (await actor.counts.remote())[3] == 1)
     except Exception as error:
         print("HOSTILE", False, repr(error))
@@ -161,7 +172,7 @@ async def main():
     other_stream = await other._token_stream()
     try:  # a key the node never saw: refused by the node, not streamed elsewhere
         def stranger(key, tag):
-            return actor.relay.remote(b"y" * 32, tag, "generate", "r7b", 3)
+            return actor.relay.remote(b"y" * 32, tag, whole("r7b", 3))
 
         await collect(other_stream.stream(stranger, ray.cancel))
         print("UNKNOWN_KEY", False)
@@ -174,12 +185,12 @@ async def main():
     files, stranger_files = json.loads(os.environ["CERTS"])
     secure = scripted.remote("node-b", {}, None, "127.0.0.1", files, SECRET)
     trusted = RayNodeClient(secure, "node-b", tls=client_tls(files), secret=SECRET)
-    ok = await collect(trusted.stream("generate", "t", 3))
+    ok = await collect(trusted.stream(whole("t", 3)))
     refused = []
     for tls in (None, client_tls(stranger_files)):
         try:
             stranger = RayNodeClient(secure, "node-b", tls=tls, secret=SECRET)
-            await collect(stranger.stream("generate", "t2", 3))
+            await collect(stranger.stream(whole("t2", 3)))
             refused.append(False)
         except NodeFailed as error:
             refused.append("token stream" in str(error))
@@ -187,7 +198,7 @@ async def main():
 
 
     # 8. the node dies mid-stream: the stream ends with NodeFailed, at once
-    stream = client.stream("generate", "r8", 1000, 0.05)
+    stream = client.stream(whole("r8", 1000, 0.05))
     await anext(stream)
     ray.kill(actor)
     started = time.monotonic()
