@@ -166,9 +166,9 @@ class _Seq:
 
 class SimNode(NodeClient):
     """One simulated engine, reached the way the router reaches a node: `stream` runs a leg
-    (pdserve/engine/legs.py: `Whole`, `Prefill`, `Decode`) and yields its tokens as the engine's steps sample them;
-    `check_health` and `stats` answer the pool's health checks. It serves either role, so the
-    autoscaler may move it."""
+    (pdserve/engine/legs.py: `Whole`, `Prefill`, `Decode`) and yields its tokens as the
+    engine's steps sample them; `check_health` and `stats` answer the pool's health checks. It
+    serves either role, so the autoscaler may move it."""
 
     def __init__(self, name: str, spec: NodeSpec, topology: Topology) -> None:
         self.spec, self.topology = spec, topology
