@@ -153,32 +153,46 @@ def test_n_sequences_in_bf16(server):
 # ---- metrics -------------------------------------------------------------------------------
 
 
+class Load:
+    """Background clients (see `load`); `stop` ends them and waits for their last requests."""
+
+    def __init__(self, server) -> None:
+        self._stop = threading.Event()
+        words = (REPO / "docs" / "design.md").read_text().split()
+
+        def client(seed: int) -> None:
+            with httpx.Client(base_url=server.url, timeout=120) as http:
+                i = seed
+                while not self._stop.is_set():
+                    start, length = i * 37 % 2000, 20 + (i * 53) % 400 + 600 * (i % 6 == 0)
+                    prompt = " ".join(words[start : start + length])
+                    body = {"prompt": prompt, "max_tokens": 12, "stream": True, "ignore_eos": True}
+                    with http.stream("POST", "/v1/completions", json=body) as response:
+                        response.read()
+                    i += 2
+
+        self._threads = [
+            threading.Thread(target=client, args=(seed,), daemon=True) for seed in (0, 1)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+
 @pytest.fixture(scope="module")
 def load(server):
     """Streamed requests of mixed lengths (≈ 25 to 1400 tokens: short ones the adaptive
     placement keeps on the decode node, long ones it sends to the prefill node on any CPU) from
-    two clients until the module ends."""
-    stop = threading.Event()
-    words = (REPO / "docs" / "design.md").read_text().split()
-
-    def client(seed: int) -> None:
-        with httpx.Client(base_url=server.url, timeout=120) as http:
-            i = seed
-            while not stop.is_set():
-                start, length = i * 37 % 2000, 20 + (i * 53) % 400 + 600 * (i % 6 == 0)
-                prompt = " ".join(words[start : start + length])
-                body = {"prompt": prompt, "max_tokens": 12, "stream": True, "ignore_eos": True}
-                with http.stream("POST", "/v1/completions", json=body) as response:
-                    response.read()
-                i += 2
-
-    threads = [threading.Thread(target=client, args=(seed,), daemon=True) for seed in (0, 1)]
-    for thread in threads:
-        thread.start()
-    yield
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=120)
+    two clients, for the metrics tests; the tests after them stop it first (the bench, the
+    calibration and the fuzzing tier measure or judge the server alone: on two cores the load
+    starved them), so the load does not outlive the tests that read it."""
+    running = Load(server)
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -410,9 +424,10 @@ def test_promtool_accepts_a_live_scrape(server, load):
     assert 'pdserve_node_up{node="pdserve-decode-0",pool="decode"} 1.0' in scrape.text
 
 
-def test_bench_run_drives_the_router_and_writes_a_report(server, tmp_path):
+def test_bench_run_drives_the_router_and_writes_a_report(server, load, tmp_path):
     """`pdserve bench run` against the live router: every request completes, and the report
     (JSON, markdown, records, plots) says so."""
+    load.stop()
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "pdserve.cli", "bench", "run", "--url", server.url]
     command += ["--workload", "random", "--prompt-range", "8", "64", "--output-range", "4", "12"]
@@ -431,10 +446,11 @@ def test_bench_run_drives_the_router_and_writes_a_report(server, tmp_path):
 MIN_STEP_RECORDS = 20
 
 
-def test_calibrate_fits_the_engines_own_steps(server, tmp_path):
+def test_calibrate_fits_the_engines_own_steps(server, load, tmp_path):
     """The engines' per-step records (GET /pdserve/v1/steps, both roles) fit the step-time model
     (`pdserve plan calibrate --url --no-traffic`: the steps this module's traffic ran), and the
     planner reads the calibration back; the live predicted/measured series are exported."""
+    load.stop()
     # enough steps of both kinds whatever the earlier tests ran: distinct prompts (no prefix
     # hits), so each one is a prefill step on the prefill node and decode steps on the other
     for i in range(MIN_STEP_RECORDS):
@@ -487,9 +503,10 @@ def test_calibrate_fits_the_engines_own_steps(server, tmp_path):
 FUZZ_REQUESTS = int(os.environ.get("PDSERVE_FUZZ_REQUESTS", "200"))
 
 
-def test_drawn_and_hostile_requests_get_no_5xx_kill_nothing_and_leave_nothing_held(server):
+def test_drawn_and_hostile_requests_get_no_5xx_kill_nothing_and_leave_nothing_held(server, load):
     from tests.helpers import fuzz
 
+    load.stop()
     report = fuzz.run(server.url, server.headers, server.model, FUZZ_REQUESTS, seed=FUZZ_REQUESTS)
     summary = report.summary()
     print("fuzz:", summary)
