@@ -75,7 +75,7 @@ class Scripted(EngineActor):
         )
 
 
-def whole(request_id, count, pause=0.0, fail_after=None):
+def script_leg(request_id, count, pause=0.0, fail_after=None):
     return Whole(request_id, [], (count, pause, fail_after))
 
 
@@ -89,12 +89,12 @@ async def main():
     client = RayNodeClient(actor, "node-a", secret=SECRET)
 
     # 1. in order, to its end
-    got = await collect(client.stream(whole("r1", 5)))
+    got = await collect(client.stream(script_leg("r1", 5)))
     print("ORDER", got == [0, 1, 2, 3, 4])
 
     # 2. many streams at once share frames: one loop turn's deltas leave together
     _, frames0, items0, _ = await actor.counts.remote()
-    streams = [client.stream(whole(f"m{i}", 20, 0.01)) for i in range(16)]
+    streams = [client.stream(script_leg(f"m{i}", 20, 0.01)) for i in range(16)]
     results = await asyncio.gather(*map(collect, streams))
     _, frames1, items1, channels = await actor.counts.remote()
     items, frames = items1 - items0, frames1 - frames0
@@ -104,7 +104,7 @@ async def main():
     # 3. the node's refusal arrives after the deltas before it, as itself
     seen = []
     try:
-        async for d in client.stream(whole("r3", 5, 0.0, 2)):
+        async for d in client.stream(script_leg("r3", 5, 0.0, 2)):
             seen.append(d.token_ids[0])
         print("REFUSED", False)
     except RequestRejected as error:
@@ -130,7 +130,7 @@ async def main():
         print("METHOD", "runs no Decode legs" in str(error))
 
     # 6. the caller leaving cancels the request on the node
-    stream = client.stream(whole("r6", 1000, 0.05))
+    stream = client.stream(script_leg("r6", 1000, 0.05))
     await anext(stream)
     await stream.aclose()
     deadline = time.monotonic() + 30
@@ -140,7 +140,7 @@ async def main():
 
     # 6b. the router's connection breaks (the router died): the node stops the request
     gone = RayNodeClient(actor, "node-a", secret=SECRET)
-    orphan = gone.stream(whole("r6b", 1000, 0.05))
+    orphan = gone.stream(script_leg("r6b", 1000, 0.05))
     await anext(orphan)
     gone._tokens._writer.transport.abort()
     deadline = time.monotonic() + 30
@@ -164,7 +164,7 @@ async def main():
     except NodeFailed:
         pass
     try:
-        await collect(client.stream(whole("r7", 3)))  # others' streams are unaffected
+        await collect(client.stream(script_leg("r7", 3)))  # others' streams are unaffected
         print("HOSTILE", (await actor.counts.remote())[3] == 1)
     except Exception as error:
         print("HOSTILE", False, repr(error))
@@ -172,7 +172,7 @@ async def main():
     other_stream = await other._token_stream()
     try:  # a key the node never saw: refused by the node, not streamed elsewhere
         def stranger(key, tag):
-            return actor.relay.remote(b"y" * 32, tag, whole("r7b", 3))
+            return actor.relay.remote(b"y" * 32, tag, script_leg("r7b", 3))
 
         await collect(other_stream.stream(stranger, ray.cancel))
         print("UNKNOWN_KEY", False)
@@ -185,12 +185,12 @@ async def main():
     files, stranger_files = json.loads(os.environ["CERTS"])
     secure = scripted.remote("node-b", {}, None, "127.0.0.1", files, SECRET)
     trusted = RayNodeClient(secure, "node-b", tls=client_tls(files), secret=SECRET)
-    ok = await collect(trusted.stream(whole("t", 3)))
+    ok = await collect(trusted.stream(script_leg("t", 3)))
     refused = []
     for tls in (None, client_tls(stranger_files)):
         try:
             stranger = RayNodeClient(secure, "node-b", tls=tls, secret=SECRET)
-            await collect(stranger.stream(whole("t2", 3)))
+            await collect(stranger.stream(script_leg("t2", 3)))
             refused.append(False)
         except NodeFailed as error:
             refused.append("token stream" in str(error))
@@ -198,7 +198,7 @@ async def main():
 
 
     # 8. the node dies mid-stream: the stream ends with NodeFailed, at once
-    stream = client.stream(whole("r8", 1000, 0.05))
+    stream = client.stream(script_leg("r8", 1000, 0.05))
     await anext(stream)
     ray.kill(actor)
     started = time.monotonic()
