@@ -21,7 +21,8 @@ per step. Frames are data only (pdserve/engine/frames.py).
 
 What a peer can spend here is bounded: `MAX_CONNECTIONS` connections at once, of them
 `MAX_UNPROVEN_PER_PEER` per address not yet past the handshake; `HELLO_S` to finish it (else the
-connection is closed: no descriptor outlives it); a few hundred bytes read before the proof; past
+connection is closed: no descriptor outlives it; with TLS, asyncio bounds the TLS handshake by the
+same `HELLO_S` before the connection is counted); a few hundred bytes read before the proof; past
 the key nothing is read at all — a byte from the router ends the connection.
 
 Flow control: when a router reads slower than its requests produce, the connection's buffer
@@ -40,7 +41,7 @@ import ssl
 import time
 from typing import Any
 
-from pdserve.engine.frames import END, ERRORS, encode
+from pdserve.engine.frames import END, carried, encode
 from pdserve.engine.types import EngineDown
 from pdserve.kv.wire import (
     MAX_AUTH_BYTES,
@@ -124,7 +125,7 @@ def ending(error: BaseException, where: str) -> BaseException:
     """What the router is told a stream ended with: the exception itself where its class is one
     the frames carry (`frames.ERRORS`: vLLM's own ValueError still reads as one to vLLM's
     server), else a RuntimeError naming it."""
-    if any(ERRORS.get(cls.__name__) is cls for cls in type(error).__mro__):
+    if carried(error) is not None:
         return error
     return RuntimeError(f"{where} failed: {error!r}")
 
@@ -173,7 +174,6 @@ class DeltaServer:
         self.name = name
         self.channels: dict[bytes, Channel] = {}
         self._secret = secret_bytes(secret)
-        self._tls: ssl.SSLContext | None = None
         self._server: asyncio.Server | None = None
         self._starting = asyncio.Lock()
         self._connections = 0
@@ -189,8 +189,10 @@ class DeltaServer:
         on mutual TLS with `tls`), told as `advertised`."""
         async with self._starting:
             if self._server is None:
-                self._tls = tls
-                self._server = await asyncio.start_server(self._accept, host, 0)
+                # TLS by asyncio, before `_accept` (a start_tls there could lose a ClientHello
+                # the plain reader had already buffered), its handshake bounded by HELLO_S too
+                timeout = {"ssl_handshake_timeout": HELLO_S} if tls is not None else {}
+                self._server = await asyncio.start_server(self._accept, host, 0, ssl=tls, **timeout)
                 port = self._server.sockets[0].getsockname()[1]
                 logger.info("%s streams tokens on %s:%d (as %s)", self.name, host, port, advertised)
         return advertised, self._server.sockets[0].getsockname()[1]
@@ -259,9 +261,7 @@ class DeltaServer:
             self._unproven[address] = left
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-        """The handshake, node side: TLS where configured, both proofs, the channel's key."""
-        if self._tls is not None:
-            await writer.start_tls(self._tls)
+        """The handshake, node side (after TLS, where configured): both proofs, the key."""
         if self._secret is None:
             raise ProtocolError("this node was given no cluster secret: it takes no router")
         nonce = new_nonce()

@@ -52,12 +52,17 @@ def _arguments(error: BaseException, cls: type[BaseException]) -> list[str]:
     return [str(error)]
 
 
+def carried(error: BaseException) -> type[BaseException] | None:
+    """The first of `ERRORS` the exception's class derives from (what it crosses as), if any."""
+    return next((c for c in type(error).__mro__ if ERRORS.get(c.__name__) is c), None)
+
+
 def describe(error: BaseException, where: str) -> list[Any]:
     """`[class name, [arguments]]` of the exception a stream ended with."""
-    for cls in type(error).__mro__:
-        if ERRORS.get(cls.__name__) is cls:
-            return [cls.__name__, _arguments(error, cls)]
-    return ["RuntimeError", [f"{where} failed: {error!r}"]]  # not reached after `ending`
+    cls = carried(error)
+    if cls is None:
+        return ["RuntimeError", [f"{where} failed: {error!r}"]]
+    return [cls.__name__, _arguments(error, cls)]
 
 
 def rebuild(name: Any, arguments: Any) -> BaseException:
