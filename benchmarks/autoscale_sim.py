@@ -3,8 +3,8 @@ prefill-heavy on 8 H100s serving LLaMA-3 8B (assumed GPU step model, pdserve.sim
 
 Phase 1 (0-60 s): chat, prompts 256 → outputs 400 tokens at 150 req/s. Phase 2 (60-120 s): long
 prompts, 2000 → 8 tokens at 50 req/s. Fixed splits (2P6D, 4P4D, 6P2D) against the autoscaler
-(router/autoscale.py) starting from the wrong end for each phase (6P2D, then 2P6D). SLO: TTFT ≤
-1 s and TPOT ≤ 50 ms.
+(router/decides/autoscale.py) starting from the wrong end for each phase (6P2D, then 2P6D). SLO:
+TTFT ≤ 1 s and TPOT ≤ 50 ms.
 
     python benchmarks/autoscale_sim.py --out results/plan/autoscale
 """
@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdserve.bench.stats import percentile  # noqa: E402
-from pdserve.config import AutoscaleConfig, PlacementConfig  # noqa: E402
-from pdserve.roofline.specs import PRESETS  # noqa: E402
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, simulate  # noqa: E402
 from pdserve.sim.main import gpu_step_model  # noqa: E402
+from pdserve_core.config import AutoscaleConfig, PlacementConfig  # noqa: E402
+from pdserve_core.roofline.specs import PRESETS  # noqa: E402
 
 SLO = (1.0, 0.05)
 PHASES = (("chat", 0.0, 256, 400, 150.0), ("long prompts", 60.0, 2000, 8, 50.0))

@@ -29,10 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdserve.bench.workload import Workload  # noqa: E402
-from pdserve.config import PlacementConfig  # noqa: E402
-from pdserve.roofline.specs import PRESETS  # noqa: E402
 from pdserve.sim.cluster import NodeSpec, Topology, simulate  # noqa: E402
 from pdserve.sim.main import ASSUMED_GPU, gpu_step_model, synthetic_requests  # noqa: E402
+from pdserve_core.config import PlacementConfig  # noqa: E402
+from pdserve_core.roofline.specs import PRESETS  # noqa: E402
 
 CASES = {
     # (model, gpu): GPUs per engine (tensor parallel: the weights and a useful KV cache fit)

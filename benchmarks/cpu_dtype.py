@@ -1,5 +1,5 @@
 """bf16 against float32 on this host's CPU, with plain vLLM's OpenAI server (what `engine.dtype:
-native` decides between: pdserve/engine/dtype.py).
+native` decides between: pdserve_core/engine/dtype.py).
 
     python benchmarks/cpu_dtype.py [--rounds 1] [--out DIR]
 
@@ -23,7 +23,7 @@ from pdserve.bench import compare
 from pdserve.bench.client import run_load, served_model
 from pdserve.bench.stats import summarize
 from pdserve.bench.workload import RequestSpec, Workload, build_requests
-from pdserve.engine.dtype import bf16_flags, native_dtype
+from pdserve_core.engine.dtype import bf16_flags, native_dtype
 
 DTYPES = ("bfloat16", "float32")
 
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--per-stream", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("results/bench/cpu-dtype"))
     args = parser.parse_args()
-    from pdserve.model_prep import prepare_default_model
+    from pdserve_core.model_prep import prepare_default_model
 
     model_dir = Path(prepare_default_model())
     results = {"bf16_flags": sorted(bf16_flags()), "native": native_dtype(gpu=False), "rounds": []}

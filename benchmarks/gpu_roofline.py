@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pdserve.roofline.specs import DEVICES, PRESETS  # noqa: E402
+from pdserve_core.roofline.specs import DEVICES, PRESETS  # noqa: E402
 
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -63,8 +63,8 @@ def main() -> int:
     w = torch.randn(d_out, d_in, dtype=torch.bfloat16, device=dev)
     sampler = None
     if cuda:
-        from pdserve.engine.stats import GpuSampler
-        from pdserve.engine.types import NodeStats
+        from pdserve_core.engine.stats import GpuSampler
+        from pdserve_core.engine.types import NodeStats
 
         sampler, nvml = GpuSampler.create(), NodeStats()
     rows = []

@@ -38,8 +38,8 @@ def rate_bytes(rate: str) -> float:
 def _plane(transport: str, blocks: int, fill: bool):
     import torch
 
-    from pdserve.kv.layout import describe
-    from pdserve.kv.transport import plane_class
+    from pdserve_core.kv.layout import describe
+    from pdserve_core.kv.transport import plane_class
 
     shape = (blocks, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     kv = {
@@ -52,7 +52,7 @@ def _plane(transport: str, blocks: int, fill: bool):
 
 def producer(transport: str, host: str, blocks: str, pulls: str) -> None:
     """On the producer host: serve `pulls` pulls of all `blocks`, then exit."""
-    from pdserve.kv.stats import TransferStats
+    from pdserve_core.kv.stats import TransferStats
     from prefill_node.kv_server import KVServer
     from prefill_node.leases import ProducerTable
 
@@ -72,7 +72,7 @@ def producer(transport: str, host: str, blocks: str, pulls: str) -> None:
 def consumer(transport: str, host: str, port: str, blocks: str, pulls: str) -> None:
     """On the consumer host: pull each request's blocks; print the seconds of each pull."""
     from decode_node.kv_client import KVClient
-    from pdserve.kv.handle import KVHandle
+    from pdserve_core.kv.handle import KVHandle
 
     count = int(blocks)
     client = KVClient(_plane(transport, count, False), lambda: SECRET)

@@ -40,7 +40,7 @@ def caches(num_blocks: int, fill: bool):
 
 
 def layout_of(kv):
-    from pdserve.kv.layout import describe
+    from pdserve_core.kv.layout import describe
 
     return describe(kv, "bench", BLOCK_SIZE, HEADS, HEAD_DIM, 0, 1, "tcp")
 
@@ -49,8 +49,8 @@ def serve(max_blocks: int, ports, stop) -> None:
     """Child process: a raw sender and a pdserve KV server over the same cache memory."""
     import threading
 
-    from pdserve.kv.stats import TransferStats
-    from pdserve.kv.transport.tcp import TcpPlane, _tune
+    from pdserve_core.kv.stats import TransferStats
+    from pdserve_core.kv.transport.tcp import TcpPlane, _tune
     from prefill_node.kv_server import KVServer
     from prefill_node.leases import ProducerTable
 
@@ -75,8 +75,8 @@ def serve(max_blocks: int, ports, stop) -> None:
 
 
 def raw_transfer(port: int, nbytes: int, target: memoryview) -> float:
-    from pdserve.kv.transport.tcp import _tune
-    from pdserve.kv.wire import recv_exact_into
+    from pdserve_core.kv.transport.tcp import _tune
+    from pdserve_core.kv.wire import recv_exact_into
 
     started = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as client:
@@ -89,8 +89,8 @@ def raw_transfer(port: int, nbytes: int, target: memoryview) -> float:
 
 
 def pdserve_pull(client, port: int, num_blocks: int, max_blocks: int, rng) -> float:
-    from pdserve.kv.handle import KVHandle
-    from pdserve.kv.wire import lease_token
+    from pdserve_core.kv.handle import KVHandle
+    from pdserve_core.kv.wire import lease_token
 
     remote = rng.sample(range(max_blocks), num_blocks)
     local = rng.sample(range(max_blocks), num_blocks)
@@ -119,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from decode_node.kv_client import KVClient
-    from pdserve.kv.transport.tcp import TcpPlane
+    from pdserve_core.kv.transport.tcp import TcpPlane
 
     sizes = {mib: -(-mib * 2**20 // (BLOCK_BYTES * LAYERS)) for mib in args.sizes_mib}
     max_blocks = max(sizes.values())

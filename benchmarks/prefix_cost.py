@@ -1,4 +1,4 @@
-"""What prefix-aware routing costs the router per request (router/prefixes.py): hashing a
+"""What prefix-aware routing costs the router per request (router/decides/prefixes.py): hashing a
 prompt's blocks, looking it up on each node, recording it and its answer — on one core, with
 the record full (4096 blocks per node), for the sweep's and the multi-turn benchmark's prompts.
 
@@ -15,7 +15,7 @@ import random
 import time
 from types import SimpleNamespace
 
-from router.prefixes import NodePrefixes, Prefix
+from router.decides.prefixes import NodePrefixes, Prefix
 
 
 def per_request_us(tokens: int, block_size: int, nodes: int, repeat: int) -> float:

@@ -94,7 +94,7 @@ async def closed_loops(url: str, streams: list[int], per_stream: int) -> dict:
 
 
 def run_system(system: str, work: Path, streams: list[int], per_stream: int) -> dict:
-    from pdserve.model_prep import prepare_default_model
+    from pdserve_core.model_prep import prepare_default_model
 
     if system == "vllm":
         model_dir = prepare_default_model()

@@ -47,16 +47,16 @@ from pdserve.bench.workload import Workload, build_requests  # noqa: E402
 from pdserve.planner.fit import calibration_device  # noqa: E402
 from pdserve.planner.plan import Workload as PlanWorkload  # noqa: E402
 from pdserve.planner.plan import build_plan, decode_batch_at_rate  # noqa: E402
-from pdserve.roofline import model as rf  # noqa: E402
-from pdserve.roofline.specs import DeviceSpec  # noqa: E402
-from pdserve.roofline.stepmodel import (  # noqa: E402
+from pdserve.sim.cluster import NodeSpec, Topology, requests_from_records, simulate  # noqa: E402
+from pdserve_core.roofline import model as rf  # noqa: E402
+from pdserve_core.roofline.specs import DeviceSpec  # noqa: E402
+from pdserve_core.roofline.stepmodel import (  # noqa: E402
     CALIBRATION_ENV,
     StepModel,
     StepRecord,
     load_calibration,
     step_cost,
 )
-from pdserve.sim.cluster import NodeSpec, Topology, requests_from_records, simulate  # noqa: E402
 
 WORKLOADS = {
     "chat": (Workload("fixed", 128, 64), 2.0),
@@ -404,9 +404,9 @@ def report(results: dict) -> str:
         "## Where prompts were computed, measured → simulated (where/reason: requests)",
         "",
         "The router's placement reads each engine's prefill rate over its last minute of health",
-        "checks (router/rates.py), in the served cluster and in the simulator alike; where its",
-        "estimates sit on the stall budget's edge, the two can still decide differently for the",
-        "same request.",
+        "checks (router/decides/rates.py), in the served cluster and in the simulator alike; where",
+        "its estimates sit on the stall budget's edge, the two can still decide differently for",
+        "the same request.",
         "",
         "| workload | measured | simulated |",
         "|---|---|---|",

@@ -5,7 +5,7 @@ cluster secret and checks the producer's proof, sends its layout (and any pairin
 plane needs), asks for the leased blocks, receives their bytes straight into this engine's paged
 cache through the data plane, and confirms. `KVClient.follow` is the same conversation for a
 prefetch: it streams a running prefill's layers into host memory (staging.py). Every failure
-becomes a `TransferError` with a reason from `pdserve.kv.stats.FAILURE_REASONS`; the whole pull
+becomes a `TransferError` with a reason from `pdserve_core.kv.stats.FAILURE_REASONS`; the whole pull
 is bounded by `deadline`.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from decode_node.staging import StagedKV
-from pdserve.kv.handle import KVHandle
-from pdserve.kv.transport.plane import DataPlane
-from pdserve.kv.wire import (
+from pdserve_core.kv.handle import KVHandle
+from pdserve_core.kv.transport.plane import DataPlane
+from pdserve_core.kv.wire import (
     PROTOCOL_VERSION,
     ProtocolError,
     TransferError,
@@ -43,7 +43,7 @@ class KVClient:
         self.plane = plane
         self._secret = secret
         self._tls = tls
-        """Mutual TLS to every producer (pdserve/tls.py), or None: plain TCP."""
+        """Mutual TLS to every producer (pdserve_core/tls.py), or None: plain TCP."""
 
     def pull(
         self,

@@ -1,6 +1,6 @@
 """The consumer half of pdserve's KV connector: how a decode engine loads a prefill's KV.
 
-vLLM builds the connector twice per engine (`pdserve.kv.connector.PDServeConnector`); on a
+vLLM builds the connector twice per engine (`pdserve_core.kv.connector.PDServeConnector`); on a
 `kv_consumer` (or `kv_both`) engine each instance holds one of these halves:
 
 - `ConsumerScheduler` (EngineCore process): a request that arrives with a handle in
@@ -37,7 +37,7 @@ from typing import Any
 
 from decode_node.kv_client import KVClient
 from decode_node.staging import StagedKV, Staging
-from pdserve.kv.handle import (
+from pdserve_core.kv.handle import (
     REMOTE_PREFILL,
     HandleError,
     KVHandle,
@@ -45,10 +45,10 @@ from pdserve.kv.handle import (
     produced_tokens,
     wants_remote_prefill,
 )
-from pdserve.kv.settings import ConnectorSettings
-from pdserve.kv.stats import TransferStats
-from pdserve.kv.transport.plane import DataPlane
-from pdserve.kv.wire import TransferError
+from pdserve_core.kv.settings import ConnectorSettings
+from pdserve_core.kv.stats import TransferStats
+from pdserve_core.kv.transport.plane import DataPlane
+from pdserve_core.kv.wire import TransferError
 
 logger = logging.getLogger(__name__)
 

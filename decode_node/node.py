@@ -1,17 +1,17 @@
 """A decode node: a Ray actor hosting vLLM whose KV connector plays the consumer.
 
 Life of a request here:
-1. The router sends a `Decode` leg (pdserve/engine/legs.py): the prompt, the first token if the
+1. The router sends a `Decode` leg (pdserve_core/engine/legs.py): the prompt, the first token if the
    prefill node sampled it, and the KV handle.
 2. With a first token, the node runs prompt + first token with the rest of the client's budget
-   (`max_tokens - 1`); without (the router's seam policy, router/seam.py), the bare prompt with
-   the whole budget, so this engine samples every token, the first included, with all of the
+   (`max_tokens - 1`); without (the router's seam policy, router/decides/seam.py), the bare prompt
+   with the whole budget, so this engine samples every token, the first included, with all of the
    request's sampling state. The consumer half of the connector (`kv_consumer.py`) pulls the
-   prompt's KV blocks into this engine's paged cache (`kv_client.py`): with `kv_transfer.load:
-   sync` (the default) at the start of the step that admits the request, which then decodes
-   it; with `async` beside the steps, the request waiting in WAITING_FOR_REMOTE_KVS meanwhile.
-   Decoding then continues exactly as one engine would after its own prefill (without a
-   first token, vLLM recomputes the last prompt position to sample from).
+   prompt's KV blocks into this engine's paged cache (`kv_client.py`): with `kv_transfer.load: sync`
+   (the default) at the start of the step that admits the request, which then decodes it; with
+   `async` beside the steps, the request waiting in WAITING_FOR_REMOTE_KVS meanwhile. Decoding then
+   continues exactly as one engine would after its own prefill (without a first token, vLLM
+   recomputes the last prompt position to sample from).
 3. If the pull fails, `kv_transfer.failure_policy` decides: `recompute` computes the prefill
    here (the client sees nothing), `fail` ends the request with `KVLoadFailed` naming the reason.
 Without a handle — the router's fallback when no prefill node is healthy — the node serves the
@@ -26,10 +26,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from pdserve.engine import budget
-from pdserve.engine.actor import EngineActor
-from pdserve.engine.legs import Decode, leg_params
-from pdserve.engine.types import KVLoadFailed, TokenDelta
+from pdserve_core.engine import budget
+from pdserve_core.engine.actor import EngineActor
+from pdserve_core.engine.legs import Decode, leg_params
+from pdserve_core.engine.types import KVLoadFailed, TokenDelta
 
 FAILURE_REASON_WAIT_S = 2.0
 """How long to wait for the connector's reason for a failed pull (it arrives with the same or
@@ -54,7 +54,7 @@ class DecodeNode(EngineActor):
         prompt, first = leg.prompt_token_ids, leg.first_token_ids
         params = decode_params(leg.params, leg.handle, len(first))
         # the text continues after the client's prompt, not after the first tokens (they may
-        # end halfway through a character: pdserve/engine/text.py)
+        # end halfway through a character: pdserve_core/engine/text.py)
         async for delta in self._run(leg.request_id, prompt + first, params, len(prompt)):
             if delta.finish_reason == "error":
                 raise await self._kv_failure(leg.request_id)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv.wire import TransferError
+from pdserve_core.kv.wire import TransferError
 
 
 class StagedKV:

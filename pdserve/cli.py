@@ -13,7 +13,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
-    from pdserve.model_prep import ModelPrepError, prepare_default_model
+    from pdserve_core.model_prep import ModelPrepError, prepare_default_model
 
     try:
         path = prepare_default_model(args.cache_dir, force=args.force)
@@ -25,8 +25,8 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.config import ConfigError, load_config
     from pdserve.serve import run
+    from pdserve_core.config import ConfigError, load_config
 
     try:
         config = load_config(args.config)
@@ -62,7 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if router:
             overrides["router"] = {**config.router.model_dump(), **router}
         if overrides:
-            from pdserve.config import parse_config
+            from pdserve_core.config import parse_config
 
             config = parse_config({**config.model_dump(), **overrides}, "(command line)")
     except ConfigError as error:
@@ -115,8 +115,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from pdserve.planner.fit import calibration_device
     from pdserve.planner.plan import Workload, build_plan, format_plan, plot_plan
-    from pdserve.roofline.specs import SpecError, load_device, load_model
-    from pdserve.roofline.stepmodel import FitError, load_calibration
+    from pdserve_core.roofline.specs import SpecError, load_device, load_model
+    from pdserve_core.roofline.stepmodel import FitError, load_calibration
 
     calibration = None
     try:
@@ -175,7 +175,7 @@ def _cmd_plan_calibrate(args: argparse.Namespace) -> int:
 
     from pdserve.bench import calibrate
     from pdserve.bench.compare import pdserve_server
-    from pdserve.roofline.stepmodel import FitError
+    from pdserve_core.roofline.stepmodel import FitError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.no_traffic and not args.url:
@@ -221,7 +221,7 @@ def _cmd_plan_calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(commands) -> None:
-    from pdserve.roofline.specs import DEVICES, PRESETS, USER_DEVICE
+    from pdserve_core.roofline.specs import DEVICES, PRESETS, USER_DEVICE
 
     plan = commands.add_parser(
         "plan",

@@ -2,11 +2,11 @@
 
 A node is an engine actor of one kind, placed with its pool's Ray resources:
 
-    kind        actor                                   KV connector role   KV server port
-    colocated   pdserve.engine.actor.EngineActor        none                none
-    prefill     prefill_node.node.PrefillNode           kv_producer         kv_transfer.port + index
-    decode      decode_node.node.DecodeNode             kv_consumer         none
-    flex        flex_node.node.FlexNode (either role)   kv_both             kv_transfer.port + index
+    kind        actor                                  KV connector role   KV server port
+    colocated   pdserve_core.engine.actor.EngineActor  none                none
+    prefill     prefill_node.node.PrefillNode          kv_producer         kv_transfer.port + index
+    decode      decode_node.node.DecodeNode            kv_consumer         none
+    flex        pdserve.flex.FlexNode (either role)    kv_both             kv_transfer.port + index
 
 The index numbers every node that serves KV within one run (prefill nodes first, then the
 autoscaler's), so their ports never collide; with `kv_transfer.port` 0 each picks a free port.
@@ -23,8 +23,8 @@ from typing import Any
 
 import ray
 
-from pdserve.config import PDServeConfig
-from pdserve.kv import vllm_kv_transfer_config
+from pdserve_core.config import PDServeConfig
+from pdserve_core.kv import vllm_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ ENGINE_START_TIMEOUT_S = 600.0
 
 def _actor_class(kind: str) -> type:
     if kind == "colocated":
-        from pdserve.engine.actor import EngineActor
+        from pdserve_core.engine.actor import EngineActor
 
         return EngineActor
     if kind == "prefill":
@@ -46,7 +46,7 @@ def _actor_class(kind: str) -> type:
 
         return DecodeNode
     if kind == "flex":
-        from flex_node.node import FlexNode
+        from pdserve.flex import FlexNode
 
         return FlexNode
     raise ValueError(f"unknown node kind {kind!r}")
@@ -82,7 +82,7 @@ def place_node(
     """Place node `replica` of pool `pool` as a `kind` engine actor (named by `node_name`);
     `.start.remote()` next. `index` numbers the nodes that serve
     KV (their port offset)."""
-    from pdserve.engine.actor import create_engine_actor
+    from pdserve_core.engine.actor import create_engine_actor
 
     role = KV_ROLES[kind]
     kv_transfer = None
@@ -113,8 +113,8 @@ def place_node(
 def ray_node_client(config: PDServeConfig, actor: Any, name: str, secret: str):
     """The router's client for one node, its token stream as the config says (proving the run's
     cluster `secret`)."""
-    from pdserve.engine.deltas import client_tls
-    from router.ray_nodes import RayNodeClient
+    from pdserve_core.engine.deltas import client_tls
+    from router.links.ray_nodes import RayNodeClient
 
     kv = config.kv_transfer
     tls = client_tls(kv.tls_files(), kv.tls.check_hostname if kv.tls else True)
@@ -152,7 +152,7 @@ def place_pools(config: PDServeConfig, model_dir: str, served: str, secret: str)
 
 
 class RayNodeFactory:
-    """The autoscaler's way to start and stop nodes (`router.autoscale.NodeFactory`): `flex`
+    """The autoscaler's way to start and stop nodes (`router.decides.autoscale.NodeFactory`): `flex`
     nodes placed with a pool's resources, each given the lowest replica number and KV index
     that no living node holds — a cluster that grows and shrinks all day reuses them instead of
     counting past the port range."""
@@ -186,7 +186,7 @@ class RayNodeFactory:
         return all(free.get(name, 0.0) >= amount for name, amount in self._needs(role).items())
 
     async def add(self, role: str):
-        from router.nodes import Node
+        from router.links.nodes import Node
 
         replica, index = self._lowest_free(self.replicas[role]), self._lowest_free(self.indexes)
         actor = place_node(

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import ray
 
-from pdserve.config import DEFAULT_MODEL, PDServeConfig
-from pdserve.model_prep import prepare_default_model
 from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools, ray_node_client
-from pdserve.roofline.serving import default_chunk_size
+from pdserve_core.config import DEFAULT_MODEL, PDServeConfig
+from pdserve_core.model_prep import prepare_default_model
+from pdserve_core.roofline.serving import default_chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -105,48 +105,17 @@ def _init_ray(config: PDServeConfig) -> bool:
     return True
 
 
-def _build_dispatcher(
-    config: PDServeConfig, pools: dict[str, list], infos: dict[str, list], secret: str
-):
-    """The router's pools (nodes reached through Ray) and the dispatcher over them."""
-    from router.dispatch import Dispatcher
-    from router.nodes import Node
-    from router.placement import Placement
-    from router.policies import make_policy
-    from router.pools import Hearing, Pool
+def _members(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list], secret: str):
+    """The router's view of each placed actor: a node reached through Ray, by pool."""
+    from router.links.nodes import Node
 
-    hearing = Hearing()  # one for every pool: silence is judged against what the router hears
-    built = {
-        name: Pool(
-            name,
-            [
-                Node(info.name, ray_node_client(config, actor, info.name, secret), info)
-                for actor, info in zip(actors, infos[name], strict=True)
-            ],
-            make_policy(config.router.policy, role=name),
-            silence_s=config.router.node_silence_s,
-            hearing=hearing,
-            stall_s=config.router.engine_stall_s,
-        )
+    return {
+        name: [
+            Node(info.name, ray_node_client(config, actor, info.name, secret), info)
+            for actor, info in zip(actors, infos[name], strict=True)
+        ]
         for name, actors in pools.items()
     }
-    if config.mode == "colocated":
-        return Dispatcher.colocated(built["colocated"], prefix_aware=config.router.prefix_aware)
-    placement = Placement(config.router.placement, step_cap_tokens=decode_step_cap(config))
-    return Dispatcher.disaggregated(
-        built["prefill"],
-        built["decode"],
-        config.router.prefill_fallback,
-        placement=placement,
-        prefix_aware=config.router.prefix_aware,
-    )
-
-
-def decode_step_cap(config: PDServeConfig) -> int:
-    """The most prompt tokens a decode node's engine computes for one request in one step (the
-    placement rule's stall estimate): the decode pool's cap, else the engines' (0: none)."""
-    cap = config.pools.decode.long_prefill_token_threshold
-    return config.engine.long_prefill_token_threshold if cap is None else cap
 
 
 def _stop_actors(actors: list) -> None:
@@ -174,18 +143,20 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
     then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
     import uvicorn
 
-    from router.connections import uvicorn_config
-    from router.grpc_api import create_server, follow_pools
-    from router.vllm_face import Renderer, serve_app
+    from router.faces.connections import uvicorn_config
+    from router.faces.grpc_api import create_server, follow_pools
+    from router.faces.vllm_face import Renderer, serve_app
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
             yield
 
-    pools = list(service.dispatcher.pools.values())
-    for pool in pools:
-        pool.start_watching()
+    from router import build
+
+    watches = build.memberships(config, service.dispatcher)
+    for watch in watches:
+        watch.start()
     if scaler is not None:
         scaler.start()
     router = config.router
@@ -231,25 +202,12 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
     await grpc_server.stop(grace=5)
     if scaler is not None:
         await scaler.stop()
-    for pool in pools:
-        await pool.stop_watching()
+    for watch in watches:
+        await watch.stop()
 
 
-def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory):
-    """The autoscaler over the prefill and decode pools, when `pools.autoscale` is enabled."""
-    if not config.pools.autoscale.enabled:
-        return None
-    from router.autoscale import PoolScaler
-
+def _log_autoscale(config: PDServeConfig) -> None:
     policy = config.pools.autoscale
-    scaler = PoolScaler(
-        dispatcher.pools["prefill"],
-        dispatcher.pools["decode"],
-        policy,
-        config.router.tpot_target_s,
-        factory=factory,
-    )
-    metrics.watch_autoscale(scaler)
     logger.info(
         "autoscale on: a check every %.0f s, %d-%s prefill and %d-%s decode nodes; replicas %s",
         policy.interval_s,
@@ -261,14 +219,13 @@ def _scaler(config: PDServeConfig, dispatcher, metrics, factory: RayNodeFactory)
         if policy.add_above is None and policy.remove_below is None
         else f"added at pressure >= {policy.add_above}, removed below {policy.remove_below}",
     )
-    return scaler
 
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
-    from router.admission import Admission
+    from router import build
+    from router.decides.admission import Admission
     from router.metrics import RouterMetrics
-    from router.retry import RetryPolicy
-    from router.service import RequestLimits, RouterService
+    from router.service import RouterService
 
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -276,7 +233,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     config = with_planned_chunk(config, model_dir)
     served = config.router.served_model_name or model_dir.name
     try:  # vLLM's own check of its front-end flags, before any engine starts
-        from router.vllm_face import front_flags, vllm_args
+        from router.faces.vllm_face import front_flags, vllm_args
 
         vllm_args(str(model_dir), served, front_flags(config))
     except (TypeError, ValueError) as error:
@@ -298,29 +255,24 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             logger.info(
                 "%s engine %s up in %.1f s (pid %s)", name, info.name, info.start_s, info.pid
             )
-        dispatcher = _build_dispatcher(config, pools, infos, secret)
+        dispatcher = build.dispatcher(config, _members(config, pools, infos, secret))
         metrics = RouterMetrics(
             dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
         )
         metrics.watch(dispatcher)
         factory = RayNodeFactory(config, model_dir, served, secret, actors)
-        scaler = _scaler(config, dispatcher, metrics, factory)
+        scaler = build.scaler(config, dispatcher, factory=factory)
+        if scaler is not None:
+            metrics.watch_autoscale(scaler)
+            _log_autoscale(config)
         admission = Admission(config.router.max_outstanding_requests)
         service = RouterService(
             dispatcher,
             metrics,
             admission,
-            RetryPolicy(
-                config.router.max_attempts,
-                config.router.stream_resume,
-                config.router.max_engine_deaths,
-            ),
+            build.retry_policy(config),
             config.router.request_timeout_s,
-            RequestLimits(
-                config.router.max_n,
-                config.router.max_schema_bytes,
-                config.router.max_response_tokens,
-            ),
+            build.request_limits(config),
         )
         metrics.in_flight.set_function(lambda: admission.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())

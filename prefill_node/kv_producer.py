@@ -1,6 +1,6 @@
 """The producer half of pdserve's KV connector: what a prefill engine does with finished KV.
 
-vLLM builds the connector twice per engine (`pdserve.kv.connector.PDServeConnector`); on a
+vLLM builds the connector twice per engine (`pdserve_core.kv.connector.PDServeConnector`); on a
 `kv_producer` (or `kv_both`) engine each instance holds one of these halves:
 
 - `ProducerScheduler` (EngineCore process): when a request that asked for a remote decode
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv.handle import KVHandle, prefetch_key, readers_of, wants_remote_decode
-from pdserve.kv.settings import ConnectorSettings
-from pdserve.kv.stats import KVGauges, TransferStats
-from pdserve.kv.transport.plane import DataPlane
-from pdserve.kv.wire import lease_token
+from pdserve_core.kv.handle import KVHandle, prefetch_key, readers_of, wants_remote_decode
+from pdserve_core.kv.settings import ConnectorSettings
+from pdserve_core.kv.stats import KVGauges, TransferStats
+from pdserve_core.kv.transport.plane import DataPlane
+from pdserve_core.kv.wire import lease_token
 from prefill_node.kv_server import KVServer
 from prefill_node.leases import ProducerTable
 from prefill_node.progress import StepWrite, WriteProgress

@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.kv.layout import mismatch
-from pdserve.kv.stats import TransferStats
-from pdserve.kv.transport.plane import DataPlane
-from pdserve.kv.wire import (
+from pdserve_core.kv.layout import mismatch
+from pdserve_core.kv.stats import TransferStats
+from pdserve_core.kv.transport.plane import DataPlane
+from pdserve_core.kv.wire import (
     MAX_AUTH_BYTES,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -102,7 +102,7 @@ class KVServer:
         self.progress = progress
         """Running prefills that decode nodes may follow (None: prefetches are refused)."""
         self._tls = tls
-        """Mutual TLS on every connection (pdserve/tls.py), or None: plain TCP."""
+        """Mutual TLS on every connection (pdserve_core/tls.py), or None: plain TCP."""
         self.engine_id = engine_id
         """The producer engine's id: leases signed for another engine (or an earlier start of
         this one) are not honoured."""

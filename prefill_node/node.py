@@ -1,14 +1,14 @@
 """A prefill node: a Ray actor hosting vLLM whose KV connector plays the producer.
 
 Life of a request here:
-1. The router sends a `Prefill` leg (pdserve/engine/legs.py: request id, prompt, params,
+1. The router sends a `Prefill` leg (pdserve_core/engine/legs.py: request id, prompt, params,
    sample_first, readers, prefetch key). The node runs the prompt with `max_tokens=1` and asks
    its connector to keep the KV for `readers` remote decodes (`do_remote_decode`).
 2. The engine computes the prompt's KV cache and samples one token. With `sample_first` (the
-   router's seam policy, router/seam.py) it samples with the client's parameters and the token
-   streams back at once as the request's first (the client's time to first token is this
-   node's); without, the parameters are the plainest that compute the KV, and the token is not
-   the client's (the decode node samples the first token itself).
+   router's seam policy, router/decides/seam.py) it samples with the client's parameters and the
+   token streams back at once as the request's first (the client's time to first token is this
+   node's); without, the parameters are the plainest that compute the KV, and the token is not the
+   client's (the decode node samples the first token itself).
 3. When the request finishes, the producer half of the connector (`kv_producer.py`) keeps its
    blocks under a lease and returns the handle (address, ports, request id, block ids, signed
    lease) with the last delta; the router hands it to a decode node.
@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pdserve.engine.actor import EngineActor
-from pdserve.engine.legs import Prefill, leg_params
-from pdserve.engine.types import TokenDelta
-from pdserve.kv.handle import producer_params
+from pdserve_core.engine.actor import EngineActor
+from pdserve_core.engine.legs import Prefill, leg_params
+from pdserve_core.engine.types import TokenDelta
+from pdserve_core.kv.handle import producer_params
 
 
 def prefill_params(params: Any, sample_first: bool, readers: int, prefetch: str = "") -> Any:

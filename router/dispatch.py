@@ -1,16 +1,15 @@
 """Carrying out a request's route: one node whole, or a prefill leg then a decode leg.
 
-A dispatcher asks `Routing` (router/routing.py) where a request runs — the one decision — and
-runs it there once, yielding its deltas; it never retries (router/retry.py decides whether a
-failed run runs again, and each run is routed anew). An observer (the router's metrics) is told
-each route and each hand-over's gap, as data.
+A dispatcher asks `Routing` (router/decides/routing.py) where a request runs — the one decision —
+and runs it there once, yielding its deltas; it never retries (router/decides/retry.py decides
+whether a failed run runs again, and each run is routed anew). An observer (the router's metrics) is
+told each route and each hand-over's gap, as data.
 
 A split route, step by step:
-1. The prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg
-   (for `n` legs when the request asks for n sequences). Where the route says the prefill
-   samples the first token (router/seam.py), that token goes to the client at once (the time to
-   first token is the prefill's); if the request finished there (EOS or a stop token), that is
-   all.
+1. The prefill node runs the prompt (`PrefillNode.prefill`) and keeps its KV for the decode leg (for
+   `n` legs when the request asks for n sequences). Where the route says the prefill samples the
+   first token (router/decides/seam.py), that token goes to the client at once (the time to first
+   token is the prefill's); if the request finished there (EOS or a stop token), that is all.
 2. The decode node gets the prompt, the first token when there is one, and the handle
    (`DecodeNode.decode`); it pulls the KV and streams the rest — or, without a first token,
    every token.
@@ -23,7 +22,7 @@ node holds the prompt's start in its prefix cache: a follow streams every block,
 the prefill only those the decode node lacks.
 With `prefix_aware`, each prompt's blocks are recorded on the nodes its legs run on, and a
 request that ran to its end records its output on the node that decoded it
-(router/prefixes.py): the next turn of a conversation is routed to where its history is.
+(router/decides/prefixes.py): the next turn of a conversation is routed to where its history is.
 """
 
 from __future__ import annotations
@@ -36,16 +35,17 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, Protocol
 
-from pdserve.engine.legs import Decode, Prefill, Whole
-from pdserve.engine.types import KVLoadFailed, TokenDelta
-from router import clock, seam
+from pdserve_core.engine.legs import Decode, Prefill, Whole
+from pdserve_core.engine.types import KVLoadFailed, TokenDelta
+from router import clock
+from router.decides import seam
+from router.decides.placement import Placement
+from router.decides.prefixes import Prefix
+from router.decides.routing import Route, Routing
 from router.errors import EngineFailed, KVTransferFailed
-from router.nodes import Node
-from router.placement import Placement
+from router.links.nodes import Node
 from router.pools import Pool
-from router.prefixes import Prefix
 from router.request import PreparedRequest, num_logprobs
-from router.routing import Route, Routing
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ class RouteObserver(Protocol):
 
 class Dispatcher:
     def __init__(
-        self, routing: Routing, observer: RouteObserver | None = None, prefix_aware: bool = True
+        self, routing: Routing, observer: RouteObserver | None, *, prefix_aware: bool
     ) -> None:
         self.routing = routing
         self.observer = observer
         self.prefix_aware = prefix_aware
-        """Route by what each node holds of a prompt (router/prefixes.py), recording where each
-        prompt and each finished request's output went."""
+        """Route by what each node holds of a prompt (router/decides/prefixes.py), recording where
+        each prompt and each finished request's output went."""
         self.prefill, self.decode = routing.prefill, routing.decode
         self.mode = "colocated" if routing.prefill is None else "disaggregated"
         self.pools = {pool.name: pool for pool in (routing.prefill, routing.decode) if pool}
@@ -76,10 +76,10 @@ class Dispatcher:
 
     @classmethod
     def colocated(
-        cls, pool: Pool, observer: RouteObserver | None = None, prefix_aware: bool = True
+        cls, pool: Pool, observer: RouteObserver | None = None, *, prefix_aware: bool
     ) -> Dispatcher:
         """Over one pool of engines that prefill and decode."""
-        return cls(Routing(pool), observer, prefix_aware)
+        return cls(Routing(pool, prefill_fallback=False), observer, prefix_aware=prefix_aware)
 
     @classmethod
     def disaggregated(
@@ -89,10 +89,15 @@ class Dispatcher:
         prefill_fallback: bool,
         placement: Placement,
         observer: RouteObserver | None = None,
-        prefix_aware: bool = True,
+        *,
+        prefix_aware: bool,
     ) -> Dispatcher:
         """Over a prefill pool and a decode pool."""
-        return cls(Routing(decode, prefill, placement, prefill_fallback), observer, prefix_aware)
+        return cls(
+            Routing(decode, prefill, placement, prefill_fallback=prefill_fallback),
+            observer,
+            prefix_aware=prefix_aware,
+        )
 
     @property
     def placement(self) -> Placement | None:

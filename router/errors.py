@@ -56,7 +56,7 @@ class RequestTimeout(RequestError):
 
 class SlowReader(RequestError):
     """A streaming client stopped reading while its request ran on: the router held its
-    deltas up to a bound (router/token_stream.py) and then cancelled the request."""
+    deltas up to a bound (router/links/token_stream.py) and then cancelled the request."""
 
     http_status = 408
     grpc_status = "DEADLINE_EXCEEDED"
@@ -93,9 +93,9 @@ class EngineFailed(RequestError):
 
 
 class NodeFailed(EngineFailed):
-    """The node died or became unreachable while serving (router/retry.py may run the request
-    again); `pool` names the pool it belonged to, once the pool has seen it. `died`: its engine
-    or its actor died while running the request, which may be what killed it (unreachable or
+    """The node died or became unreachable while serving (router/decides/retry.py may run the
+    request again); `pool` names the pool it belonged to, once the pool has seen it. `died`: its
+    engine or its actor died while running the request, which may be what killed it (unreachable or
     silent nodes are not counted so)."""
 
     def __init__(self, message: str, pool: str | None = None, died: bool = False) -> None:

@@ -1,11 +1,11 @@
 """The router's service, shared by both edges (OpenAI HTTP and gRPC).
 
 Life of a request here:
-1. A face validates and tokenizes the request (vLLM's serving layer, router/vllm_face.py).
+1. A face validates and tokenizes the request (vLLM's serving layer, router/faces/vllm_face.py).
 2. `open(prepared, api)`: admission gives it a slot, the router's own limits are checked
    (`RequestLimits`), and the dispatcher says whether any node can take it — or it is refused
    with a `RequestError` (counted, its slot given back).
-3. `deltas(request)`: the request runs under the retry policy (router/retry.py) with its
+3. `deltas(request)`: the request runs under the retry policy (router/decides/retry.py) with its
    deadline (`router.request_timeout_s` from arrival); its latencies are observed once, its
    outcome counted, and its slot released however it ends.
 """
@@ -18,12 +18,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.types import TokenDelta
-from router.admission import Admission, Slot
+from pdserve_core.engine.types import TokenDelta
+from router.decides.admission import Admission, Slot
+from router.decides.retry import RESTART, RetryPolicy, runs
 from router.errors import InvalidRequest, NodeFailed, RequestError
 from router.metrics import RequestTimer, RouterMetrics
 from router.request import PreparedRequest, num_logprobs
-from router.retry import RESTART, RetryPolicy, runs
 
 
 @dataclass
@@ -40,13 +40,13 @@ class RequestLimits:
     """What one request may ask of the router and the nodes (`router.*` in the config); beyond
     any of them it is refused with 400 before it is run."""
 
-    max_n: int = 128
+    max_n: int
     """Sequences one request may ask for (`n`): each is a decode leg reading one prefill's
     lease."""
-    max_schema_bytes: int = 64 << 10
+    max_schema_bytes: int
     """The largest structured-output spec (JSON schema, regex, grammar, choices, structural
     tag), compiled on the engine before the request runs."""
-    max_response_tokens: int = 1 << 18
+    max_response_tokens: int
     """Token entries a non-streamed response may hold in the router's memory at most (see
     `held_response_tokens`); a streamed one is sent as it comes and holds none."""
 
@@ -120,7 +120,7 @@ class RouterService:
         admission: Admission,
         retry: RetryPolicy,
         request_timeout_s: float,
-        limits: RequestLimits = RequestLimits(),
+        limits: RequestLimits,
     ) -> None:
         self.dispatcher, self.metrics = dispatcher, metrics
         self.admission, self.retry = admission, retry

@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded default model, prepared once (bootstrap already built it; this only checks)."""
-    from pdserve.model_prep import prepare_default_model
+    from pdserve_core.model_prep import prepare_default_model
 
     return prepare_default_model()
 

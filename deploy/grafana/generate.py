@@ -189,7 +189,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 ],
                 unit="short",
                 description="Tokens/s. The router routes by its record of what each node holds "
-                "(router/prefixes.py); the gap between the lines is that record's error.",
+                "(router/decides/prefixes.py); the gap between the lines is that record's error.",
             ),
             Panel(
                 "KV not sent: hand-over blocks already cached at the decode node",
@@ -275,7 +275,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 unit="reqps",
                 description="Disaggregated: each request's prompt computed on its decode node "
                 "(local) or on a prefill node (remote), by the reason the router gave "
-                "(router/placement.py).",
+                "(router/decides/placement.py).",
                 width=12,
             ),
             Panel(
@@ -320,7 +320,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "step-time model (prefill: step time per second; decode: predicted step ÷ TPOT "
                 "target, or its slots if fuller; plus queued requests), and their ratio: above 1 "
                 "the prefill pool is the bottleneck (router/metrics/balance.py). What the "
-                "autoscaler reads (router/autoscale.py).",
+                "autoscaler reads (router/decides/autoscale.py).",
             ),
         ],
     ),

@@ -1,6 +1,6 @@
 """`pdserve plan calibrate`: run a known spread of step shapes through a pdserve cluster, read the
 engines' own per-step records back (GET /pdserve/v1/steps) and fit the step-time model
-(pdserve.roofline.stepmodel) per device and model.
+(pdserve_core.roofline.stepmodel) per device and model.
 
 The traffic covers what the fit must tell apart:
 - prompts one at a time, from a few tokens to a long one, while a few long streams decode
@@ -29,8 +29,8 @@ from pdserve.bench.client import send, served_model
 from pdserve.bench.stats import RequestRecord
 from pdserve.bench.workload import TOKEN_RANGE, RequestSpec
 from pdserve.planner.fit import Fit, fit, save_calibration
-from pdserve.roofline.specs import ModelSpec
-from pdserve.roofline.stepmodel import FitError, StepModel, StepRecord, calibration_path
+from pdserve_core.roofline.specs import ModelSpec
+from pdserve_core.roofline.stepmodel import FitError, StepModel, StepRecord, calibration_path
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.config import EngineConfig, cpu_preload_paths
-from pdserve.engine import dtype as engine_dtype
+from pdserve_core.config import EngineConfig, cpu_preload_paths
+from pdserve_core.engine import dtype as engine_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -192,9 +192,9 @@ def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, f
 def kv_bytes_per_token(dtype: str = "native") -> int:
     """KV cache bytes one token of the default model takes (keys and values, every layer), in
     `dtype` as this host's engines resolve it."""
-    from pdserve.engine.dtype import resolve
-    from pdserve.model_prep import prepare_default_model
-    from pdserve.roofline.specs import load_model
+    from pdserve_core.engine.dtype import resolve
+    from pdserve_core.model_prep import prepare_default_model
+    from pdserve_core.roofline.specs import load_model
 
     model = load_model(str(prepare_default_model()), resolve(dtype, gpu=False))
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype_bytes

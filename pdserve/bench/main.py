@@ -456,7 +456,7 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
 def _system(system: str, work: Path, overrides: list[str]):
     """A context manager serving `system` on this machine; yields its base URL."""
     if system == "vllm":
-        from pdserve.model_prep import prepare_default_model
+        from pdserve_core.model_prep import prepare_default_model
 
         model_dir = prepare_default_model()
         dtype = sweep_.engines_dtype(compare.REPO, overrides)
@@ -506,7 +506,7 @@ def _router_overhead(out: Path, args: argparse.Namespace) -> dict:
     specs = build_requests(Workload("fixed", 128, 32), args.overhead_requests, "fixed", 1.0, 1)
     specs = [RequestSpec(s.index, s.prompt_token_ids, s.max_tokens) for s in specs]
     sides = {}
-    from pdserve.model_prep import prepare_default_model
+    from pdserve_core.model_prep import prepare_default_model
 
     model_dir = prepare_default_model()
     with compare.plain_vllm_server(model_dir, model_dir.name, compare.scratch(out, "vllm")) as url:

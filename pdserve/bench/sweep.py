@@ -2,7 +2,7 @@
 attainment (DistServe's measure: the highest rate at which ≥ 90 % of requests meet their SLO).
 
 Systems (each started fresh, one after the other, on the same two cores):
-- `adaptive`: pdserve 1P1D, each prompt placed by the adaptive rule (router/placement.py);
+- `adaptive`: pdserve 1P1D, each prompt placed by the adaptive rule (router/decides/placement.py);
 - `remote`: pdserve 1P1D, every prompt on the prefill node (pdserve 0.2's behaviour);
 - `colocated`: pdserve with one engine on both cores;
 - `vllm`: plain vLLM's OpenAI server with the colocated engine's settings on both cores (what a
@@ -152,8 +152,8 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> None:
 def engines_dtype(repo: Path, overrides: Sequence[str] = ()) -> str:
     """The dtype every system's engines run on this host (plain vLLM is given the same): the
     repo's config with `overrides` applied, `native` resolved for this CPU."""
-    from pdserve.config import parse_config
-    from pdserve.engine.dtype import resolve
+    from pdserve_core.config import parse_config
+    from pdserve_core.engine.dtype import resolve
 
     data = yaml.safe_load((repo / "deploy/config/local-cpu.yaml").read_text())
     apply_overrides(data, overrides)
@@ -174,7 +174,7 @@ def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str]
     apply_overrides(data, overrides)
     path = work / f"{system}.yaml"
     path.write_text(yaml.safe_dump(data))
-    from pdserve.config import load_config
+    from pdserve_core.config import load_config
 
     load_config(path)  # a bad override fails here, naming the field
     return path

@@ -1,4 +1,4 @@
-"""Fitting the step-time model (pdserve/roofline/stepmodel.py) to the steps an engine ran, and
+"""Fitting the step-time model (pdserve_core/roofline/stepmodel.py) to the steps an engine ran, and
 storing the result: `pdserve plan calibrate`'s work, the planner's side of calibration.
 
 `fit` finds the coefficients from per-step records (tokens, sequences, context, seconds): for a
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.roofline.specs import GB, GIB, DeviceSpec, ModelSpec
-from pdserve.roofline.stepmodel import (
+from pdserve_core.roofline.specs import GB, GIB, DeviceSpec, ModelSpec
+from pdserve_core.roofline.stepmodel import (
     CALIBRATION_VERSION,
     Calibration,
     FitError,
@@ -176,7 +176,7 @@ def calibration_device(
 ) -> DeviceSpec:
     """A device described by what the calibration measured: its achieved rates as the roofs,
     memory for the weights plus `DEFAULT_KV_GIB` of KV unless given, and the P→D link."""
-    from pdserve.roofline.model import weight_bytes as weights
+    from pdserve_core.roofline.model import weight_bytes as weights
 
     step = calibration.step_model
     if memory_gb:

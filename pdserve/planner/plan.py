@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 
-from pdserve.roofline import model as rf
-from pdserve.roofline.specs import DeviceSpec, ModelSpec
-from pdserve.roofline.stepmodel import Calibration, StepModel, step_cost
+from pdserve_core.roofline import model as rf
+from pdserve_core.roofline.specs import DeviceSpec, ModelSpec
+from pdserve_core.roofline.stepmodel import Calibration, StepModel, step_cost
 
 CHUNK_AMORTIZED = 1.1
 """A calibrated chunk is large enough once its per-token cost is within 10 % of a long chunk's

@@ -4,10 +4,10 @@ step-time model, in virtual time.
 What runs, and how closely it follows what is served:
 - **The router is the router's code**: `router.pools.Pool`s (their calls, counts, deadlines,
   silences and one-per-second health checks), `router.dispatch.Dispatcher` (the one routing
-  decision, `router.routing.Routing`, and the legs it runs: prefill, hand-over, decode) and, with
-  `autoscale`, `router.autoscale.PoolScaler` — on an asyncio loop whose clock jumps to its next
-  timer (pdserve/sim/loop.py). What the router's metrics would count (routes, hand-over gaps,
-  moves) is kept as they are told it.
+  decision, `router.decides.routing.Routing`, and the legs it runs: prefill, hand-over, decode) and,
+  with `autoscale`, `router.decides.autoscale.PoolScaler` — on an asyncio loop whose clock jumps to
+  its next timer (pdserve/sim/loop.py). What the router's metrics would count (routes, hand-over
+  gaps, moves) is kept as they are told it.
 - **Engines** (`SimNode`, reached as the router reaches a node) step like vLLM's scheduler: each
   step first gives every running request its next tokens (one per decoding sequence, the next
   chunk of a prompt being computed), then admits waiting requests in arrival order while there
@@ -36,25 +36,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.bench.stats import RequestRecord
-from pdserve.config import AutoscaleConfig, PlacementConfig, RouterConfig
-from pdserve.engine.legs import Leg, Prefill, Whole
-from pdserve.engine.types import NodeStats, TokenDelta
-from pdserve.roofline.model import kv_bytes_per_token
-from pdserve.roofline.specs import ModelSpec
-from pdserve.roofline.stepmodel import StepModel, step_cost
 from pdserve.sim import loop
-from router import clock
-from router.autoscale import Decision, PoolScaler
-from router.dispatch import Dispatcher
-from router.nodes import Node, NodeClient
-from router.placement import Placement
-from router.policies import make_policy
-from router.pools import Hearing, Pool
+from pdserve_core.config import PDServeConfig
+from pdserve_core.engine.legs import Leg, Prefill, Whole
+from pdserve_core.engine.types import NodeStats, TokenDelta
+from pdserve_core.roofline.model import kv_bytes_per_token
+from pdserve_core.roofline.specs import ModelSpec
+from pdserve_core.roofline.stepmodel import StepModel, step_cost
+from router import build, clock
+from router.decides.autoscale import Decision
+from router.decides.routing import Route
+from router.links.nodes import Node, NodeClient
+from router.membership import CHECK_INTERVAL_S
 from router.request import PreparedRequest
-from router.routing import Route
 
-STATS_PERIOD_S = 1.0
-"""The pools' health-check period (the router's default): how often the router reads stats."""
 DEADLINE_S = 1e9
 """A simulated request has no deadline."""
 
@@ -108,14 +103,9 @@ class Topology:
     """Added to every first token (the router's path, measured)."""
     handover_latency_s: float = 0.0
     """Router → decode node: the relay of a prefilled request, beyond the KV pull."""
-    placement: PlacementConfig = PlacementConfig()
-    """`router.placement`, as a served cluster's config sets it."""
-    policy: str = "least_outstanding"
-    autoscale: AutoscaleConfig | None = None
-    """`pools.autoscale`: move engines between the prefill and decode pools at run time
-    (router/autoscale.py)."""
-    tpot_target_s: float = RouterConfig.model_fields["tpot_target_s"].default
-    """`router.tpot_target_s`: the decode side of the balance the autoscaler reads."""
+    config: PDServeConfig = PDServeConfig()
+    """The served cluster's config: its `router` section and `pools.autoscale` build the
+    simulated router exactly as they build the served one (router/build.py)."""
 
     def __post_init__(self) -> None:
         if not self.colocated and not self.decode:
@@ -166,7 +156,7 @@ class _Seq:
 
 class SimNode(NodeClient):
     """One simulated engine, reached the way the router reaches a node: `stream` runs a leg
-    (pdserve/engine/legs.py: `Whole`, `Prefill`, `Decode`) and yields its tokens as the
+    (pdserve_core/engine/legs.py: `Whole`, `Prefill`, `Decode`) and yields its tokens as the
     engine's steps sample them; `check_health` and `stats` answer the pool's health checks. It
     serves either role, so the autoscaler may move it."""
 
@@ -333,26 +323,17 @@ class Simulator:
             *nodes("decode", topology.decode),
             *nodes("colocated", topology.colocated),
         ]
-        hearing = Hearing()
-        self.mode = topology.placement.mode
-
-        def pool(role: str) -> Pool:
-            members = [e.node for e in self.engines if e.node.name.startswith(role)]
-            return Pool(role, members, make_policy(topology.policy, role), hearing=hearing)
-
-        if topology.colocated:
-            pools = [pool("colocated")]
-            self.dispatcher = Dispatcher.colocated(pools[0], self)
-        else:
-            pools = [pool("prefill"), pool("decode")]
-            self.dispatcher = Dispatcher.disaggregated(
-                *pools, True, Placement(topology.placement), self
-            )
-        for p in pools:
-            p.start_watching(STATS_PERIOD_S)
-        scaler = None
-        if topology.autoscale is not None:
-            scaler = PoolScaler(*pools, topology.autoscale, topology.tpot_target_s, self._moved)
+        self.mode = topology.config.router.placement.mode
+        roles = ("colocated",) if topology.colocated else ("prefill", "decode")
+        members = {
+            role: [e.node for e in self.engines if e.node.name.startswith(role)] for role in roles
+        }
+        self.dispatcher = build.dispatcher(topology.config, members, self)
+        watches = build.memberships(topology.config, self.dispatcher)
+        for watch in watches:
+            watch.start(CHECK_INTERVAL_S)
+        scaler = build.scaler(topology.config, self.dispatcher, self._moved)
+        if scaler is not None:
             scaler.start()
         records = [RequestRecord(r.index, r.kind, r.prompt_tokens, r.at_s) for r in requests]
         served = [self._serve(r, rec) for r, rec in zip(requests, records, strict=True)]
@@ -360,8 +341,8 @@ class Simulator:
         end = clock.now()
         if scaler is not None:
             await scaler.stop()
-        for p in pools:
-            await p.stop_watching()
+        for watch in watches:
+            await watch.stop()
         busy = {e.node.name: e.totals.busy_seconds_total / end for e in self.engines}
         return SimResult(records, end, dict(self.placements), self.gaps, busy, self.moves)
 
@@ -371,7 +352,7 @@ class Simulator:
         prepared = PreparedRequest(
             f"sim-{request.index}",
             # prompts of their own: the simulated engines keep no prefix cache, so no prompt
-            # shares blocks with another one (router/prefixes.py would count them)
+            # shares blocks with another one (router/decides/prefixes.py would count them)
             [request.index + 1] + [0] * (request.prompt_tokens - 1),
             _Sampling(request.output_tokens),
             stream=True,

@@ -7,16 +7,24 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import get_args
 
 from pdserve.bench.main import workload_from_args
 from pdserve.bench.report import markdown_table, plot, read_records, write_json
 from pdserve.bench.stats import summarize
 from pdserve.bench.workload import Workload, arrival_times
-from pdserve.config import AutoscaleConfig, PlacementConfig
-from pdserve.roofline.specs import DEVICES, PRESETS, SpecError, load_model
-from pdserve.roofline.stepmodel import FitError, StepModel, load_calibration
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
+from pdserve_core.config import (
+    AutoscaleConfig,
+    PDServeConfig,
+    PlacementConfig,
+    RouterConfig,
+    load_config,
+)
+from pdserve_core.roofline.specs import DEVICES, PRESETS, SpecError, load_model
+from pdserve_core.roofline.stepmodel import FitError, StepModel, load_calibration
 
 ASSUMED_GPU = {
     "flops_efficiency": 0.6,
@@ -144,25 +152,38 @@ def add_parser(commands) -> None:
     t.add_argument(
         "--handover-ms", type=_count_float, default=5.0, help="router relay of a prefilled request"
     )
-    t.add_argument("--placement", choices=["adaptive", "remote", "threshold"], default="adaptive")
-    a = sim.add_argument_group("pools that follow the balance (router/autoscale.py)")
+    t.add_argument(
+        "--config",
+        help="the served cluster's config file (pdserve serve --config): its router section and "
+        "pools.autoscale build the simulated router; the flags below override it",
+    )
+    router, autoscale = RouterConfig(), AutoscaleConfig()
+    t.add_argument(
+        "--placement",
+        choices=list(get_args(PlacementConfig.model_fields["mode"].annotation)),
+        help=f"router.placement.mode (the config's; default {router.placement.mode})",
+    )
+    a = sim.add_argument_group("pools that follow the balance (router/decides/autoscale.py)")
     a.add_argument(
         "--autoscale",
         action="store_true",
-        help="move engines between the prefill and decode pools as the balance says",
+        help="move engines between the prefill and decode pools as the balance says "
+        "(pools.autoscale.enabled)",
     )
-    a.add_argument("--autoscale-interval-s", type=_positive, default=5.0)
-    a.add_argument("--autoscale-cooldown-s", type=_count_float, default=30.0)
+    for flag, kind, field in (
+        ("--autoscale-interval-s", _positive, "interval_s"),
+        ("--autoscale-cooldown-s", _count_float, "cooldown_s"),
+        ("--autoscale-reversal-s", _count_float, "reversal_s"),
+        ("--min-prefill", _count, "min_prefill"),
+        ("--min-decode", _positive_int, "min_decode"),
+    ):
+        default = getattr(autoscale, field)
+        a.add_argument(flag, type=kind, help=f"pools.autoscale.{field} (default {default})")
     a.add_argument(
-        "--autoscale-reversal-s",
-        type=_count_float,
-        default=120.0,
-        help="before undoing the last move",
-    )
-    a.add_argument("--min-prefill", type=_count, default=1)
-    a.add_argument("--min-decode", type=_positive_int, default=1)
-    a.add_argument(
-        "--tpot-target-s", type=_positive, default=0.1, help="the decode side of the balance"
+        "--tpot-target-s",
+        type=_positive,
+        help=f"router.tpot_target_s: the decode side of the balance (default "
+        f"{router.tpot_target_s})",
     )
     w = sim.add_argument_group("workload")
     w.add_argument("--records", help="replay a bench records.jsonl(.xz)")
@@ -213,26 +234,46 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
         if args.colocated
         else {"prefill": nodes("prefill", args.prefill), "decode": nodes("decode", args.decode)}
     )
-    return Topology(
+    topology = Topology(
         model,
         **pools,
         link_bytes_per_s=(args.link_gbs or (50.0 if args.gpu else 1.0)) * 1e9,
         link_latency_s=args.link_latency_ms / 1e3,
         request_overhead_s=request_overhead_s,
         handover_latency_s=args.handover_ms / 1e3,
-        placement=PlacementConfig(mode=args.placement),
-        autoscale=AutoscaleConfig(
-            enabled=True,
-            interval_s=args.autoscale_interval_s,
-            cooldown_s=args.autoscale_cooldown_s,
-            reversal_s=args.autoscale_reversal_s,
-            min_prefill=args.min_prefill,
-            min_decode=args.min_decode,
-        )
-        if args.autoscale
-        else None,
-        tpot_target_s=args.tpot_target_s,
     )
+    return replace(topology, config=config_from_args(args))
+
+
+def config_from_args(args: argparse.Namespace) -> PDServeConfig:
+    """The served config (`--config`, else the defaults) with the flags given laid over it, and
+    the topology's pools as its mode and replicas."""
+    config = load_config(args.config)
+    if args.colocated:
+        mode, sizes = "colocated", {"colocated": args.colocated}
+    else:
+        mode, sizes = "disaggregated", {"prefill": args.prefill, "decode": args.decode}
+    replicas = {name: _over(getattr(config.pools, name), replicas=n) for name, n in sizes.items()}
+    router = config.router
+    placement = _over(router.placement, mode=args.placement)
+    router = _over(router, placement=placement, tpot_target_s=args.tpot_target_s)
+    autoscale = _over(
+        config.pools.autoscale,
+        enabled=True if args.autoscale else None,
+        interval_s=args.autoscale_interval_s,
+        cooldown_s=args.autoscale_cooldown_s,
+        reversal_s=args.autoscale_reversal_s,
+        min_prefill=args.min_prefill,
+        min_decode=args.min_decode,
+    )
+    pools = _over(config.pools, autoscale=autoscale, **replicas)
+    return _over(config, mode=mode, router=router, pools=pools)
+
+
+def _over(section, **values):
+    """`section` with the values that are not None put in, validated as a config file is."""
+    given = {name: value for name, value in values.items() if value is not None}
+    return type(section).model_validate({**dict(section), **given})
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ prefill load ÷ decode load: above 1 the prefill pool is the bottleneck (move th
 prefill), below 1 the decode pool is.
 
 The same question in calibrated cost (`pdserve_pool_balance_cost_ratio`), each node's steps priced
-by its step-time model (pdserve.roofline.stepmodel), as the share of its budget its work uses:
+by its step-time model (pdserve_core.roofline.stepmodel), as the share of its budget its work uses:
 - a prefill (or colocated) node: predicted step seconds per second — its compute time (1 while
   it has requests in flight and no step ended in the window: a step longer than the window, as a
   long prompt on a slow CPU takes, is running);
@@ -21,15 +21,15 @@ by its step-time model (pdserve.roofline.stepmodel), as the share of its budget 
   (it is busy whenever one stream decodes);
 - either: plus the requests waiting in its engine ÷ `max_num_seqs` (demand it has no room for).
 Pool pressure is the mean over healthy nodes; prefill ÷ decode above 1: prefill is the
-bottleneck. This is the signal `router/autoscale.py` acts on.
+bottleneck. This is the signal `router/decides/autoscale.py` acts on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdserve.engine.types import NodeStats
-from router.rates import Window
+from pdserve_core.engine.types import NodeStats
+from router.decides.rates import Window
 
 BALANCE_FLOOR = 0.01
 """Loads below this count as this much in the balance ratio (two idle pools read as 1)."""

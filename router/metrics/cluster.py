@@ -6,8 +6,9 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from pdserve.engine.types import QUEUE_TIME_BUCKETS
-from pdserve.kv.stats import FAILURE_REASONS
+from pdserve_core.engine.types import QUEUE_TIME_BUCKETS
+from pdserve_core.kv.stats import FAILURE_REASONS
+from router.decides.rates import Window
 from router.metrics.balance import (
     balance_ratio,
     cost_pressure,
@@ -15,7 +16,6 @@ from router.metrics.balance import (
     pool_load,
     step_times,
 )
-from router.rates import Window
 
 
 class PoolCollector:

@@ -7,8 +7,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from router import clock
+from router.decides.placement import DECISIONS
 from router.metrics.cluster import PoolCollector
-from router.placement import DECISIONS
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -84,7 +84,7 @@ class RouterMetrics:
         )
         self.placements = Counter(
             "pdserve_prefill_placements",
-            "Where disaggregated requests' prompts were computed (router/placement.py): "
+            "Where disaggregated requests' prompts were computed (router/decides/placement.py): "
             "remote (a prefill node, then the KV hand-over) or local (their decode node).",
             ["where", "reason"],
             registry=r,
@@ -92,7 +92,7 @@ class RouterMetrics:
         self.expected_cached = Counter(
             "pdserve_prefix_expected_cached_tokens",
             "Prompt tokens the router expected the node computing each prompt to hold in its "
-            "prefix cache (router/prefixes.py); against pdserve_node_prompt_tokens_total"
+            "prefix cache (router/decides/prefixes.py); against pdserve_node_prompt_tokens_total"
             "{source=\"cached\"}, the engines' own count, it shows the record's error.",
             ["pool"],
             registry=r,
@@ -105,7 +105,8 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "pdserve_request_retries",
-            "Requests run again because a node of this pool failed under them (router/retry.py).",
+            "Requests run again because a node of this pool failed under them "
+            "(router/decides/retry.py).",
             ["pool"],
             registry=r,
         )
@@ -118,7 +119,8 @@ class RouterMetrics:
         self.autoscale = Counter(
             "pdserve_autoscale_decisions",
             "Autoscale checks by outcome: to_prefill / to_decode (a node moved), add_* / "
-            "remove_* (a node started / stopped), or hold, with the reason (router/autoscale.py).",
+            "remove_* (a node started / stopped), or hold, with the reason "
+            "(router/decides/autoscale.py).",
             ["action", "reason"],
             registry=r,
         )
@@ -135,7 +137,7 @@ class RouterMetrics:
 
     def watch_autoscale(self, scaler: Any) -> None:
         """Count every autoscale check; the outcomes exist from zero."""
-        from router.autoscale import OUTCOMES, REASONS
+        from router.decides.autoscale import OUTCOMES, REASONS
 
         for reason in REASONS:
             for action in OUTCOMES.get(reason, ("hold",)):
@@ -152,7 +154,8 @@ class RouterMetrics:
                 self.placements.labels(where=where, reason=reason)
 
     def routed(self, route: Any) -> None:
-        """One request's route (router/routing.py `Route`), counted per leg and by reason."""
+        """One request's route (router/decides/routing.py `Route`), counted per leg and by
+        reason."""
         for pool, node in route.legs():
             self.routed_legs.labels(pool=pool, node=node).inc()
         computing = route.legs()[0][0]  # the prefill leg's pool, or the whole request's

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.engine.dtype import native_dtype
+from pdserve_core.engine.dtype import native_dtype
 from tests.e2e.conftest import (
     BAD_REQUESTS,
     CHAT,

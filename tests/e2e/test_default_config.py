@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from pdserve.engine.dtype import native_dtype
+from pdserve_core.engine.dtype import native_dtype
 from tests.conftest import REPO
 from tests.e2e.conftest import finish_server, start_server
 

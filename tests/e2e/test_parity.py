@@ -72,7 +72,7 @@ REFUSED = (
     ("vllm_xargs", '{"x": 1}'),
 )
 """Fields plain vLLM accepts and pdserve refuses with a 400 naming them: they are engine-internal
-(router/vllm_face.py)."""
+(router/faces/vllm_face.py)."""
 
 
 def _refusals(url: str) -> dict[str, tuple[int, str]]:

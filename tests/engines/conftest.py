@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from pdserve.roofline.specs import load_model
+from pdserve_core.roofline.specs import load_model
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def corpus(tokenizer) -> list[int]:
 
     text = "\n\n".join(
         (REPO / name).read_text()
-        for name in ("docs/design.md", "pdserve/config.py", "router/vllm_face.py")
+        for name in ("docs/design.md", "pdserve_core/config.py", "router/faces/vllm_face.py")
     )
     ids = tokenizer(text).input_ids
     assert len(ids) > 2600
@@ -48,6 +48,6 @@ def corpus(tokenizer) -> list[int]:
 @pytest.fixture(scope="session")
 def kv_bytes_per_token(default_model_dir) -> int:
     """KV bytes per token of the test engines (float32, see harness.py)."""
-    from pdserve.roofline.model import kv_bytes_per_token
+    from pdserve_core.roofline.model import kv_bytes_per_token
 
     return kv_bytes_per_token(load_model(str(default_model_dir), "float32"))

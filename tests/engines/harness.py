@@ -18,12 +18,12 @@ from typing import Any
 import ray
 
 from decode_node.node import DecodeNode
-from pdserve.config import EngineConfig, PoolConfig
-from pdserve.engine.actor import EngineActor, create_engine_actor
-from pdserve.engine.legs import Decode, Leg, Prefill, Whole
-from pdserve.engine.types import TokenDelta
-from pdserve.kv import vllm_kv_transfer_config
-from pdserve.kv.settings import ConnectorSettings
+from pdserve_core.config import EngineConfig, PoolConfig
+from pdserve_core.engine.actor import EngineActor, create_engine_actor
+from pdserve_core.engine.legs import Decode, Leg, Prefill, Whole
+from pdserve_core.engine.types import TokenDelta
+from pdserve_core.kv import vllm_kv_transfer_config
+from pdserve_core.kv.settings import ConnectorSettings
 from prefill_node.node import PrefillNode
 
 SECRET = "test-cluster-secret"

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from pdserve.engine.types import OUTPUT_START_ARG
+from pdserve_core.engine.types import OUTPUT_START_ARG
 from tests.engines.harness import (
     consumer,
     decode,
@@ -98,7 +98,7 @@ async def test_text_across_the_seam_is_one_engines_whatever_byte_a_token_ends_on
     """The decode leg (prompt + the prefill's token) and a resumed request (prompt + the tokens
     sent) give the text one engine streams, even where the tokens already sent end halfway
     through a character — the engine's own detokenizer, primed with such a prompt, would emit
-    the whole prompt's text with the next character (pdserve/engine/text.py)."""
+    the whole prompt's text with the next character (pdserve_core/engine/text.py)."""
     partial = 0
     for words in WIDE:
         prompt = tokenizer(words).input_ids

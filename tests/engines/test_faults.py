@@ -18,7 +18,7 @@ import psutil
 import pytest
 import ray
 
-from pdserve.engine.types import KVLoadFailed
+from pdserve_core.engine.types import KVLoadFailed
 from tests.engines.harness import (
     SECRET,
     consumer,

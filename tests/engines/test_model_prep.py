@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.model_prep import check_model_dir, prepare_default_model
+from pdserve_core.model_prep import check_model_dir, prepare_default_model
 
 
 def test_prepare_builds_a_real_model_then_returns_at_once(tmp_path):

@@ -21,15 +21,19 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
-from pdserve.engine.legs import Decode, Leg, Prefill
-from pdserve.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejected, TokenDelta
+from pdserve_core.config import RouterConfig
+from pdserve_core.engine.legs import Decode, Leg, Prefill
+from pdserve_core.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejected, TokenDelta
+from router.decides.placement import Placement
+from router.decides.policies import make_policy
+from router.decides.retry import RetryPolicy
 from router.dispatch import Dispatcher
 from router.errors import NodeFailed
-from router.nodes import Node, NodeClient
-from router.placement import Placement
-from router.policies import make_policy
+from router.links.nodes import Node, NodeClient
+from router.membership import Membership
 from router.pools import Hearing, Pool
 from router.request import PreparedRequest
+from router.service import RequestLimits
 
 MAX_LOGPROBS = 20
 """vLLM's default `max_logprobs`."""
@@ -203,17 +207,58 @@ class FakeNode(NodeClient):
         return NodeStats(max_num_seqs=64)
 
 
-def pool(name: str, *fakes: FakeNode, silence_s: float = 3.0, hearing=None) -> Pool:
+ROUTER = RouterConfig()
+"""The router's settings as the config's defaults set them."""
+
+
+def retry_policy(max_attempts: int = ROUTER.max_attempts, **settings) -> RetryPolicy:
+    """The retry policy with the config's settings but for those given."""
+    return RetryPolicy(
+        max_attempts,
+        settings.get("resume", ROUTER.stream_resume),
+        settings.get("max_engine_deaths", ROUTER.max_engine_deaths),
+    )
+
+
+def request_limits() -> RequestLimits:
+    """What one request may ask, as the config's defaults say."""
+    return RequestLimits(ROUTER.max_n, ROUTER.max_schema_bytes, ROUTER.max_response_tokens)
+
+
+def new_pool(
+    name: str,
+    nodes,
+    policy: str = "least_outstanding",
+    silence_s: float = ROUTER.node_silence_s,
+    hearing=None,
+) -> Pool:
+    """A pool of `nodes` with the config's settings but for `policy` and `silence_s`."""
+    return Pool(
+        name,
+        list(nodes),
+        make_policy(policy, name),
+        silence_s=silence_s,
+        hearing=hearing,
+    )
+
+
+def membership(pool: Pool, stall_s: float = ROUTER.engine_stall_s) -> Membership:
+    """The health checks of `pool`, with the config's stall bound unless told."""
+    return Membership(pool, stall_s=stall_s)
+
+
+def pool(
+    name: str, *fakes: FakeNode, silence_s: float = ROUTER.node_silence_s, hearing=None
+) -> Pool:
     nodes = [Node(f.name, f, NodeInfo(f.name, 1, "ray-node", 2048, 128, 0.1)) for f in fakes]
-    policy = make_policy("round_robin", name)
-    return Pool(name, nodes, policy, silence_s=silence_s, hearing=hearing)
+    return new_pool(name, nodes, "round_robin", silence_s, hearing)
 
 
 def disaggregated(
     prefill: list[FakeNode],
     decode: list[FakeNode],
     fallback: bool = True,
-    silence_s: float = 3.0,
+    silence_s: float = ROUTER.node_silence_s,
     placement=None,
 ):
     hearing = Hearing()  # the pools share it, as in `pdserve serve`
@@ -222,6 +267,7 @@ def disaggregated(
         pool("decode", *decode, silence_s=silence_s, hearing=hearing),
         fallback,
         placement or placement_rule("remote"),
+        prefix_aware=ROUTER.prefix_aware,
     )
 
 
@@ -229,13 +275,13 @@ def placement_rule(
     mode: str, step_cap_tokens: int = 0, initial_handover_s: float = 0.1, **settings
 ):
     """`Placement` in `mode` with `router.placement` settings (the config's defaults otherwise)."""
-    from pdserve.config import PlacementConfig
+    from pdserve_core.config import PlacementConfig
 
     return Placement(PlacementConfig(mode=mode, **settings), step_cap_tokens, initial_handover_s)
 
 
 def colocated(*fakes: FakeNode) -> Dispatcher:
-    return Dispatcher.colocated(pool("colocated", *fakes))
+    return Dispatcher.colocated(pool("colocated", *fakes), prefix_aware=ROUTER.prefix_aware)
 
 
 class FakeSampling(SimpleNamespace):

@@ -40,7 +40,7 @@ def send_then_die(pair_id_hex: str) -> None:
 
 
 def serve(host: str, out: str) -> None:
-    from pdserve.kv.stats import TransferStats
+    from pdserve_core.kv.stats import TransferStats
     from prefill_node.kv_server import KVServer
     from prefill_node.leases import ProducerTable
 

@@ -307,7 +307,7 @@ def test_sweep_configs_set_the_placement_and_the_overrides(tmp_path):
     import yaml
 
     from pdserve.bench.sweep import pdserve_config
-    from pdserve.config import ConfigError, load_config
+    from pdserve_core.config import ConfigError, load_config
     from tests.conftest import REPO
 
     path = pdserve_config("remote", REPO, tmp_path, ["kv_transfer.load=async", "engine.seed=3"])

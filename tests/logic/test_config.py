@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pdserve.config import ConfigError, PDServeConfig, load_config, parse_config
+from pdserve_core.config import ConfigError, PDServeConfig, load_config, parse_config
 from tests.conftest import REPO
 
 
@@ -98,7 +98,7 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path, capsys):
 
 def test_the_api_key_comes_from_the_environment_and_a_public_bind_needs_one(monkeypatch, capsys):
     from pdserve.cli import main
-    from pdserve.config import PDServeConfig
+    from pdserve_core.config import PDServeConfig
 
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
     assert PDServeConfig().router.api_key == "from-env"
@@ -111,9 +111,9 @@ def test_the_api_key_comes_from_the_environment_and_a_public_bind_needs_one(monk
 def test_cpu_engines_preload_what_is_installed(monkeypatch, tmp_path, caplog):
     """`engine.cpu_preload` becomes the engine actors' LD_PRELOAD with the files found; a
     library not installed is left out with a warning; GPU pools and [] preload nothing."""
-    from pdserve import config as config_module
-    from pdserve.config import EngineConfig, PoolConfig
-    from pdserve.engine.actor import engine_env
+    from pdserve_core import config as config_module
+    from pdserve_core.config import EngineConfig, PoolConfig
+    from pdserve_core.engine.actor import engine_env
 
     lib = tmp_path / "libiomp5.so"
     lib.write_bytes(b"")

@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.types import OUTPUT_START_ARG
-from router import clock, seam
-from router.admission import Admission
+from pdserve_core.engine.types import OUTPUT_START_ARG
+from router import clock
+from router.decides import seam
+from router.decides.admission import Admission
+from router.decides.retry import RESTART, runs
 from router.errors import (
     DeadlineExceeded,
     EngineFailed,
@@ -22,7 +24,6 @@ from router.errors import (
     PoolUnavailable,
 )
 from router.metrics import RouterMetrics
-from router.retry import RESTART, RetryPolicy, runs
 from router.service import RouterService
 from tests.helpers.fake_nodes import (
     FakeNode,
@@ -30,6 +31,8 @@ from tests.helpers.fake_nodes import (
     colocated,
     disaggregated,
     prepared,
+    request_limits,
+    retry_policy,
     sampling,
 )
 
@@ -42,7 +45,7 @@ async def collect(dispatcher, request, policy=None, retried=None):
         dispatcher,
         request,
         time.monotonic() + DEADLINE_S,
-        policy or RetryPolicy(3),
+        policy or retry_policy(3),
         (retried if retried is not None else []).append,
     ):
         out.append(delta)
@@ -176,7 +179,7 @@ async def test_a_cut_stream_continues_from_the_tokens_sent():
         disaggregated([p], [d0, d1]),
         prepared(max_tokens=6),
         time.monotonic() + 30,
-        RetryPolicy(3),
+        retry_policy(3),
         print,
         resumed.append,
     ):
@@ -208,7 +211,7 @@ async def test_a_stateful_stream_cut_midway_ends_with_an_explicit_error():
 
 async def test_with_resume_off_a_cut_stream_ends_with_an_explicit_error():
     p, d0, d1 = FakeNode("p0"), FakeNode("d0", die_after=1), FakeNode("d1")
-    policy = RetryPolicy(3, resume=False)
+    policy = retry_policy(3, resume=False)
     with pytest.raises(NodeFailed, match="decode node d0"):
         await collect(disaggregated([p], [d0, d1]), prepared(max_tokens=5), policy)
 
@@ -240,7 +243,7 @@ async def test_attempts_are_bounded_across_every_layer():
     nodes = [FakeNode(f"d{i}", die_after=0) for i in range(5)]
     dispatcher = colocated(*nodes)
     retried = []
-    policy = RetryPolicy(3, max_engine_deaths=10)  # not the poison rule: the attempts bound
+    policy = retry_policy(3, max_engine_deaths=10)  # not the poison rule: the attempts bound
     with pytest.raises(NodeFailed):
         await collect(dispatcher, prepared(stream=False), policy, retried)
     assert sum(len(n.calls) for n in nodes) == 3 and len(retried) == 2
@@ -252,7 +255,7 @@ async def test_a_request_two_engines_died_under_is_not_run_a_third_time():
     nodes = [FakeNode(f"d{i}", die_after=1) for i in range(3)]
     retried = []
     with pytest.raises(EngineFailed, match="2 engines died while running this request"):
-        await collect(colocated(*nodes), prepared(stream=False), RetryPolicy(3), retried)
+        await collect(colocated(*nodes), prepared(stream=False), retry_policy(3), retried)
     assert sorted(len(n.calls) for n in nodes) == [0, 1, 1] and len(retried) == 1
     got = await collect(colocated(FakeNode("e0", die_after=1), FakeNode("e1")), prepared())
     assert tokens(got) == [100, 101, 102, 103, 104]
@@ -261,7 +264,7 @@ async def test_a_request_two_engines_died_under_is_not_run_a_third_time():
 async def test_unreachable_nodes_are_not_counted_as_deaths_it_caused():
     """A node that could not be reached (host or link down) says nothing about the request."""
     nodes = [FakeNode(f"d{i}", unreachable_after=1) for i in range(3)]
-    policy = RetryPolicy(3, max_engine_deaths=1)
+    policy = retry_policy(3, max_engine_deaths=1)
     with pytest.raises(NodeFailed, match="ActorUnavailableError"):  # the attempts ran out
         await collect(colocated(*nodes), prepared(stream=False), policy)
     assert [len(n.calls) for n in nodes] == [1, 1, 1]
@@ -281,7 +284,7 @@ async def test_the_deadline_ends_the_request_and_cancels_it_on_the_node():
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         async for _ in runs(
-            dispatcher, prepared(max_tokens=50), time.monotonic() + 0.5, RetryPolicy(3), print
+            dispatcher, prepared(max_tokens=50), time.monotonic() + 0.5, retry_policy(3), print
         ):
             pass
     assert time.monotonic() - started < 2
@@ -292,7 +295,9 @@ async def test_the_deadline_ends_the_request_and_cancels_it_on_the_node():
 async def test_a_caller_that_stops_listening_cancels_both_legs_counts_nothing_left():
     p, d = FakeNode("p0"), FakeNode("d0", delay_s=0.05)
     dispatcher = disaggregated([p], [d])
-    stream = runs(dispatcher, prepared(max_tokens=20), time.monotonic() + 30, RetryPolicy(3), print)
+    stream = runs(
+        dispatcher, prepared(max_tokens=20), time.monotonic() + 30, retry_policy(3), print
+    )
     async for delta in stream:
         if delta.token_ids == [102]:
             break
@@ -323,7 +328,9 @@ class Service(RouterService):
 def service(dispatcher, request, limit: int = 1) -> Service:
     metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
     metrics.watch(dispatcher)
-    return Service(request, dispatcher, metrics, Admission(limit), RetryPolicy(3), 30)
+    return Service(
+        request, dispatcher, metrics, Admission(limit), retry_policy(3), 30, request_limits()
+    )
 
 
 def outcome(svc: RouterService, kind: str) -> float:
@@ -413,7 +420,7 @@ async def test_no_request_waits_past_its_deadline_even_when_the_node_never_answe
 
 
 async def collect_until(dispatcher, deadline):
-    async for _ in runs(dispatcher, prepared(), deadline, RetryPolicy(3), print):
+    async for _ in runs(dispatcher, prepared(), deadline, retry_policy(3), print):
         pass
 
 

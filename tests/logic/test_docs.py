@@ -9,7 +9,7 @@ import re
 import pytest
 from pydantic import BaseModel
 
-from pdserve import config
+from pdserve_core import config
 from tests.conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -32,14 +32,14 @@ def test_the_configuration_reference_is_generated_from_the_models():
 def _fields(model: type[BaseModel], prefix: str = ""):
     for name, field in model.model_fields.items():
         yield prefix + name, field
-        inner = config._model_of(field.annotation)
+        inner = _generator().model_of(field.annotation)
         if inner is not None:
             yield from _fields(inner, f"{prefix}{name}.")
 
 
 def test_every_config_field_says_what_it_does():
     def described(field) -> bool:  # a section may say it in its class's docstring instead
-        inner = config._model_of(field.annotation)
+        inner = _generator().model_of(field.annotation)
         return bool(field.description or (inner and inner.__doc__))
 
     missing = [name for name, field in _fields(config.PDServeConfig) if not described(field)]
@@ -47,7 +47,7 @@ def test_every_config_field_says_what_it_does():
     reference = (REPO / "docs/configuration.md").read_text()
     for name, field in _fields(config.PDServeConfig):
         section, _, leaf = name.rpartition(".")
-        inner = config._model_of(field.annotation)
+        inner = _generator().model_of(field.annotation)
         if inner is None or field.default is None:  # a value, or an optional section: a row
             assert f"| `{leaf}` |" in reference, name
         if inner is not None:

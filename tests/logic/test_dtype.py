@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.dtype import cpu_flags, native_dtype, resolve
+from pdserve_core.engine.dtype import cpu_flags, native_dtype, resolve
 
 ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SAPPHIRE_RAPIDS = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from decode_node.kv_consumer import ConsumerScheduler
-from pdserve.kv.handle import HandleError, KVHandle
-from pdserve.kv.settings import ConnectorSettings
+from pdserve_core.kv.handle import HandleError, KVHandle
+from pdserve_core.kv.settings import ConnectorSettings
 from prefill_node.kv_producer import ProducerScheduler
 
 SETTINGS = ConnectorSettings(secret="x", lease_s=30)
@@ -217,7 +217,7 @@ class _Config(SimpleNamespace):
 def _connector(role: str, kind):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from pdserve.kv.connector import PDServeConnector
+    from pdserve_core.kv.connector import PDServeConnector
 
     kv = SimpleNamespace(kv_connector_extra_config={"secret": "x"}, kv_role=role, engine_id="e")
     config = _Config(kv_transfer_config=kv, cache_config=SimpleNamespace(block_size=128))
@@ -257,7 +257,7 @@ class _Client:
         self.failing, self.pulled = failing, []
 
     def pull(self, handle, remote, local, tp_rank, deadline):
-        from pdserve.kv.wire import TransferError
+        from pdserve_core.kv.wire import TransferError
 
         if handle.request_id in self.failing:
             raise TransferError("connect", "refused")
@@ -267,7 +267,7 @@ class _Client:
 
 def _worker(client: _Client):
     from decode_node.kv_consumer import ConsumerWorker
-    from pdserve.kv.stats import TransferStats
+    from pdserve_core.kv.stats import TransferStats
 
     worker = ConsumerWorker(SETTINGS, plane=None, stats=TransferStats(), tp_rank=0)
     worker.client = client  # no data plane: the fake client stands in for the pulls

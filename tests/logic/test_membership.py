@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.engine.legs import Whole
-from router.nodes import NodeClient
-from tests.helpers.fake_nodes import FakeNode, pool
+from pdserve_core.engine.legs import Whole
+from router.links.nodes import NodeClient
+from tests.helpers.fake_nodes import FakeNode, membership, pool, retry_policy
 
 
 async def settle(node, timeout: float = 5.0) -> None:
@@ -22,13 +22,14 @@ async def settle(node, timeout: float = 5.0) -> None:
 async def test_a_node_whose_engine_died_is_rebuilt_and_rejoins():
     fake = FakeNode("d0")
     decode = pool("decode", fake)
+    checks = membership(decode)
     node = decode.nodes[0]
     fake.engine = False  # the EngineCore died; the actor cleared it in its health check
-    await decode.refresh(node)
+    await checks.refresh(node)
     assert not node.healthy and not decode.healthy_nodes()  # out while it is rebuilt
     await settle(node)
     assert fake.starts == 1 and node.info.pid == 2  # a new engine process
-    await decode.refresh(node)
+    await checks.refresh(node)
     assert node.healthy and decode.healthy_nodes() == [node]
 
 
@@ -46,31 +47,33 @@ async def test_a_build_that_keeps_failing_waits_longer_each_time():
 
     fake.start = start
     decode = pool("decode", fake)
+    checks = membership(decode)
     node = decode.nodes[0]
     waits = []
     for attempt in range(1, 5):
-        await decode.refresh(node)
+        await checks.refresh(node)
         await settle(node)
         assert fake.starts == attempt and not node.healthy
         waits.append(round(node.next_start - time.monotonic()))
-        await decode.refresh(node)  # the next health check: still waiting, no new build
+        await checks.refresh(node)  # the next health check: still waiting, no new build
         await settle(node)
         assert fake.starts == attempt
         node.next_start = 0.0  # the wait has passed
     assert waits == [2, 4, 8, 16]
     failing[0] = False
-    await decode.refresh(node)
+    await checks.refresh(node)
     await settle(node)
-    await decode.refresh(node)
+    await checks.refresh(node)
     assert node.healthy and node.failed_starts == 0
 
 
 async def test_a_dead_actor_leaves_at_once_and_a_slow_one_after_three_misses():
     fake = FakeNode("d0")
     decode = pool("decode", fake)
+    checks = membership(decode)
     node = decode.nodes[0]
     fake.healthy = False
-    await decode.refresh(node)
+    await checks.refresh(node)
     assert not node.healthy
 
     class Slow(NodeClient):
@@ -87,9 +90,11 @@ async def test_a_dead_actor_leaves_at_once_and_a_slow_one_after_three_misses():
             raise AssertionError
 
     slow = pool("decode", FakeNode("d1"))
+
+    checks = membership(slow)
     slow.nodes[0].client = Slow()
     for expected in (True, True, False):
-        await slow.refresh(slow.nodes[0])
+        await checks.refresh(slow.nodes[0])
         assert slow.nodes[0].healthy is expected
 
 
@@ -97,24 +102,25 @@ async def test_a_dead_actor_leaves_at_once_and_a_slow_one_after_three_misses():
 
 
 async def test_a_stream_whose_node_falls_silent_continues_on_another_node():
-    from router.retry import RetryPolicy, runs
+    from router.decides.retry import runs
     from tests.helpers.fake_nodes import disaggregated, prepared
 
     cut = FakeNode("d0", silent_after=2)
     dispatcher = disaggregated([FakeNode("p0")], [cut, FakeNode("d1")], silence_s=0.3)
     resumed, tokens = [], []
     started = time.monotonic()
-    for watched in dispatcher.pools.values():  # the other nodes' health checks are heard
-        watched.start_watching(interval_s=0.05)
+    watches = [membership(watched) for watched in dispatcher.pools.values()]
+    for watch in watches:  # the other nodes' health checks are heard
+        watch.start(0.05)
     try:
         async for delta in runs(
-            dispatcher, prepared(max_tokens=8), time.monotonic() + 30, RetryPolicy(3), print,
+            dispatcher, prepared(max_tokens=8), time.monotonic() + 30, retry_policy(3), print,
             resumed.append,
         ):  # fmt: skip
             tokens += delta.token_ids
     finally:
-        for watched in dispatcher.pools.values():
-            await watched.stop_watching()
+        for watch in watches:
+            await watch.stop()
     assert tokens == list(range(100, 108))  # every token once, in order
     assert len(resumed) == 1 and "silent" in resumed[0].message
     assert time.monotonic() - started < 2.0
@@ -122,22 +128,23 @@ async def test_a_stream_whose_node_falls_silent_continues_on_another_node():
 
 
 async def test_a_node_that_is_slow_but_answers_its_checks_is_not_lost():
-    from router.retry import RetryPolicy, runs
+    from router.decides.retry import runs
     from tests.helpers.fake_nodes import colocated, prepared
 
     slow = FakeNode("c0", delay_s=0.5)  # each token takes longer than the silence bound
     dispatcher = colocated(slow)
     dispatcher.pools["colocated"].silence_s = 0.3
-    dispatcher.pools["colocated"].start_watching(interval_s=0.05)
+    checks = membership(dispatcher.pools["colocated"])
+    checks.start(0.05)
     try:
         deltas = [
             d
             async for d in runs(
-                dispatcher, prepared(max_tokens=3), time.monotonic() + 30, RetryPolicy(1), print
+                dispatcher, prepared(max_tokens=3), time.monotonic() + 30, retry_policy(1), print
             )
         ]
     finally:
-        await dispatcher.pools["colocated"].stop_watching()
+        await checks.stop()
     assert [t for d in deltas for t in d.token_ids] == [100, 101, 102]
     assert dispatcher.pools["colocated"].nodes[0].healthy
 
@@ -145,7 +152,8 @@ async def test_a_node_that_is_slow_but_answers_its_checks_is_not_lost():
 async def test_a_silent_node_leaves_while_its_check_hangs_and_rejoins_when_it_answers():
     quiet, loud = FakeNode("d0"), FakeNode("d1")
     decode = pool("decode", quiet, loud, silence_s=0.3)
-    decode.start_watching(interval_s=0.05)
+    checks = membership(decode)
+    checks.start(0.05)
     try:
         await wait_until(lambda: all(n.reported for n in decode.nodes))
         quiet.silent = True
@@ -155,7 +163,7 @@ async def test_a_silent_node_leaves_while_its_check_hangs_and_rejoins_when_it_an
         quiet.speak()
         await wait_until(lambda: decode.nodes[0].healthy)
     finally:
-        await decode.stop_watching()
+        await checks.stop()
 
 
 async def wait_until(condition, timeout: float = 5.0) -> None:
@@ -170,7 +178,8 @@ async def test_a_stalled_router_takes_no_node_for_lost():
     nobody): when it runs again, no node has left its pool."""
     fakes = [FakeNode("d0"), FakeNode("d1")]
     decode = pool("decode", *fakes, silence_s=0.3)
-    decode.start_watching(interval_s=0.05)
+    checks = membership(decode)
+    checks.start(0.05)
     try:
         await wait_until(lambda: all(n.reported for n in decode.nodes))
         for fake in fakes:  # their answers wait until the router runs again
@@ -183,14 +192,15 @@ async def test_a_stalled_router_takes_no_node_for_lost():
         await asyncio.sleep(0.3)
         assert all(n.healthy for n in decode.nodes)
     finally:
-        await decode.stop_watching()
+        await checks.stop()
 
 
 async def test_when_every_node_falls_silent_at_once_none_is_taken_for_lost():
     """All silent together: the router (or its host) is what stopped hearing, not the nodes."""
     fakes = [FakeNode("d0"), FakeNode("d1")]
     decode = pool("decode", *fakes, silence_s=0.3)
-    decode.start_watching(interval_s=0.05)
+    checks = membership(decode)
+    checks.start(0.05)
     try:
         await wait_until(lambda: all(n.reported for n in decode.nodes))
         for fake in fakes:
@@ -200,7 +210,7 @@ async def test_when_every_node_falls_silent_at_once_none_is_taken_for_lost():
         for fake in fakes:
             fake.speak()
     finally:
-        await decode.stop_watching()
+        await checks.stop()
 
 
 async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_left(monkeypatch):
@@ -209,8 +219,8 @@ async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_lef
     from types import SimpleNamespace
 
     import pdserve.nodes as nodes
-    from pdserve.config import PDServeConfig
-    from pdserve.engine.types import NodeInfo
+    from pdserve_core.config import PDServeConfig
+    from pdserve_core.engine.types import NodeInfo
 
     started = []
 
@@ -240,7 +250,7 @@ async def test_autoscaled_nodes_reuse_the_numbers_and_ports_of_the_ones_that_lef
     async def client_shutdown(client):
         shut.append(client)
 
-    monkeypatch.setattr("router.ray_nodes.RayNodeClient.shutdown", client_shutdown)
+    monkeypatch.setattr("router.links.ray_nodes.RayNodeClient.shutdown", client_shutdown)
     actors = []
     factory = nodes.RayNodeFactory(PDServeConfig(), "/model", "m", "s", actors)
     for _ in range(100):
@@ -265,7 +275,8 @@ async def test_a_stuck_engine_is_ended_its_streams_go_elsewhere_and_it_is_rebuil
 
     fake = FakeNode("d0", delay_s=30)  # its tokens never come
     decode = pool("decode", fake)
-    decode.stall_s = 0.2
+    checks = membership(decode)
+    checks.stall_s = 0.2
     node = decode.nodes[0]
     request = prepared()
 
@@ -276,28 +287,29 @@ async def test_a_stuck_engine_is_ended_its_streams_go_elsewhere_and_it_is_rebuil
 
     stream = asyncio.create_task(run())
     await asyncio.sleep(0.05)
-    await decode.refresh(node)  # its step count, first seen
+    await checks.refresh(node)  # its step count, first seen
     assert node.healthy and not fake.dropped
     await asyncio.sleep(0.3)
-    await decode.refresh(node)  # the same count, a request held: stuck
+    await checks.refresh(node)  # the same count, a request held: stuck
     assert not node.healthy and fake.dropped == 1
     try:
         await asyncio.wait_for(stream, 5)
         raise AssertionError("the stream on a stuck engine did not end")
     except NodeFailed as error:
         assert error.died and "stuck" in error.message
-    await decode.refresh(node)  # no engine now: one is built
+    await checks.refresh(node)  # no engine now: one is built
     await settle(node)
-    await decode.refresh(node)
+    await checks.refresh(node)
     assert node.healthy and fake.starts == 1 and not node.stuck
 
 
 async def test_an_idle_engine_that_does_not_step_is_not_stuck():
     fake = FakeNode("d0")
     decode = pool("decode", fake)
-    decode.stall_s = 0.05
+    checks = membership(decode)
+    checks.stall_s = 0.05
     node = decode.nodes[0]
     for _ in range(3):
-        await decode.refresh(node)
+        await checks.refresh(node)
         await asyncio.sleep(0.1)
     assert node.healthy and not fake.dropped

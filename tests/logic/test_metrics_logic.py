@@ -11,18 +11,18 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.stats import StatsCollector
-from pdserve.engine.types import QUEUE_TIME_BUCKETS, NodeStats
-from pdserve.roofline.live import Peaks, resolve_peaks, step_work
-from pdserve.roofline.model import kv_bytes_per_token, weight_bytes
-from pdserve.roofline.specs import PRESETS
+from pdserve_core.engine.stats import StatsCollector
+from pdserve_core.engine.types import QUEUE_TIME_BUCKETS, NodeStats
+from pdserve_core.roofline.live import Peaks, resolve_peaks, step_work
+from pdserve_core.roofline.model import kv_bytes_per_token, weight_bytes
+from pdserve_core.roofline.specs import PRESETS
+from router.decides.rates import Window, counters
+from router.links.nodes import Node
 from router.metrics import RequestTimer, RouterMetrics
 from router.metrics import events as events_module
 from router.metrics.balance import balance_ratio, node_load, pool_load
-from router.nodes import Node
-from router.policies import make_policy
 from router.pools import Pool
-from router.rates import Window, counters
+from tests.helpers.fake_nodes import new_pool
 
 SMOL = PRESETS["smollm2-135m"]  # 576 hidden, 30 layers, 9 heads, 3 KV heads, 64 head dim, 1536
 
@@ -182,7 +182,7 @@ def _node(name: str, stats: NodeStats, healthy: bool = True) -> Node:
 
 
 def _pool(name: str, nodes: list[Node]) -> Pool:
-    return Pool(name, nodes, make_policy("least_outstanding", name))
+    return new_pool(name, nodes, "least_outstanding")
 
 
 def test_pool_collector_exports_nodes_pools_and_balance():
@@ -258,9 +258,9 @@ def test_a_buffered_timer_observes_only_the_run_that_served_the_request(monkeypa
 
 
 def test_a_prefill_node_inside_a_step_longer_than_the_window_reads_busy_not_idle():
-    from pdserve.engine.types import NodeStats
+    from pdserve_core.engine.types import NodeStats
+    from router.decides.rates import Window
     from router.metrics.balance import cost_pressure
-    from router.rates import Window
 
     quiet = Window(seconds=3, flops=0, bytes=0, busy=0, prompt_busy=0, predicted_busy=0, steps=0)
     working = NodeStats(requests_started_total=5, requests_finished_total=4, max_num_seqs=64)
@@ -274,8 +274,8 @@ def test_a_prefill_node_inside_a_step_longer_than_the_window_reads_busy_not_idle
 def test_a_dead_engines_gauges_go_with_it():
     """A node whose engine died reports no queue, no cache use and no KV held until its new
     engine steps (an idle new engine may never step: the dead one's last gauges would stay)."""
-    from pdserve.engine.actor import EngineActor
-    from pdserve.kv.stats import KVGauges
+    from pdserve_core.engine.actor import EngineActor
+    from pdserve_core.kv.stats import KVGauges
 
     actor = EngineActor("pdserve-prefill-0", {})
     actor._engine = SimpleNamespace(shutdown=lambda: None)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pdserve import model_prep
-from pdserve.model_prep import (
+from pdserve_core import model_prep
+from pdserve_core.model_prep import (
     ModelPrepError,
     cache_dir,
     check_model_dir,

@@ -1,6 +1,6 @@
-"""Per-request prefill placement (router/placement.py) and its place in dispatch, over fake nodes:
-the three modes' rules, the live inputs the adaptive rule reads, the hand-over gap it learns, and
-that a local decision serves the request on its decode node with no hand-over."""
+"""Per-request prefill placement (router/decides/placement.py) and its place in dispatch, over fake
+nodes: the three modes' rules, the live inputs the adaptive rule reads, the hand-over gap it learns,
+and that a local decision serves the request on its decode node with no hand-over."""
 
 from __future__ import annotations
 
@@ -9,12 +9,19 @@ import time
 
 import pytest
 
-from pdserve.engine.types import NodeInfo, NodeStats
+from pdserve_core.engine.types import NodeInfo, NodeStats
+from router.decides.placement import DECISIONS, LOCAL, REMOTE, prefill_rate
+from router.decides.retry import runs
+from router.links.nodes import Node
 from router.metrics import RouterMetrics
-from router.nodes import Node
-from router.placement import DECISIONS, LOCAL, REMOTE, prefill_rate
-from router.retry import RetryPolicy, runs
-from tests.helpers.fake_nodes import FakeNode, Routes, disaggregated, placement_rule, prepared
+from tests.helpers.fake_nodes import (
+    FakeNode,
+    Routes,
+    disaggregated,
+    placement_rule,
+    prepared,
+    retry_policy,
+)
 
 
 def node(name: str, rate: float | None = None, prefilling: int = 0, outstanding: int = 0):
@@ -137,7 +144,7 @@ def test_the_handover_estimate_follows_measurements():
 async def run(dispatcher, request):
     out = []
     deadline = time.monotonic() + 30
-    async for delta in runs(dispatcher, request, deadline, RetryPolicy(3), lambda e: None):
+    async for delta in runs(dispatcher, request, deadline, retry_policy(3), lambda e: None):
         out.append(delta)
     return [t for d in out for t in d.token_ids]
 

@@ -7,10 +7,8 @@ from collections import Counter
 
 import pytest
 
-from pdserve.engine.types import NodeStats
-from router.errors import PoolUnavailable
-from router.nodes import Node
-from router.policies import (
+from pdserve_core.engine.types import NodeStats
+from router.decides.policies import (
     LeastOutstanding,
     PowerOfTwo,
     RoundRobin,
@@ -19,7 +17,9 @@ from router.policies import (
     make_policy,
     prefill_load,
 )
-from router.pools import Pool
+from router.errors import PoolUnavailable
+from router.links.nodes import Node
+from tests.helpers.fake_nodes import new_pool
 
 
 def nodes(*loads: tuple[int, int]) -> list[Node]:
@@ -96,7 +96,7 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_pool_skips_unhealthy_and_excluded_nodes():
-    pool = Pool("decode", nodes((0, 0), (0, 0), (0, 0)), make_policy("round_robin", "decode"))
+    pool = new_pool("decode", nodes((0, 0), (0, 0), (0, 0)), "round_robin")
     pool.nodes[0].healthy = False
     assert pool.pick(exclude=(pool.nodes[1],)).name == "n2"
     pool.nodes[2].healthy = False

@@ -1,5 +1,5 @@
-"""Prefix-aware routing (router/prefixes.py and its uses): the router's record of which blocks
-each node holds, the pools' choice by load and uncached tokens, and placement by uncached
+"""Prefix-aware routing (router/decides/prefixes.py and its uses): the router's record of which
+blocks each node holds, the pools' choice by load and uncached tokens, and placement by uncached
 tokens — a conversation's next turn goes back to the decode node that holds its history and is
 computed there (no Ray, no vLLM)."""
 
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.types import NodeInfo
-from router.nodes import Node
-from router.policies import UNCACHED_TOKEN_COST, decode_load, make_policy
-from router.prefixes import NodePrefixes, Prefix, block_hashes
+from pdserve_core.engine.types import NodeInfo
+from router.decides.policies import UNCACHED_TOKEN_COST, decode_load, make_policy
+from router.decides.prefixes import NodePrefixes, Prefix, block_hashes
+from router.links.nodes import Node
 from tests.helpers.fake_nodes import FakeNode, Routes, disaggregated, placement_rule, sampling
 from tests.logic.test_dispatch import collect, tokens
 
@@ -120,8 +120,8 @@ async def test_a_conversations_next_turn_goes_back_to_its_decode_node(aware):
 def test_the_expected_cached_tokens_are_counted_for_the_pool_that_computes():
     from prometheus_client import generate_latest
 
+    from router.decides.routing import Route
     from router.metrics import RouterMetrics
-    from router.routing import Route
 
     dispatcher = disaggregated(
         [FakeNode("p0")], [FakeNode("d0")], placement=placement_rule("adaptive")
@@ -144,7 +144,7 @@ async def conversations_on_two_decode_nodes(aware: bool, history: int) -> tuple[
     import asyncio
     import random
 
-    from router.policies import make_policy
+    from router.decides.policies import make_policy
     from router.request import PreparedRequest
 
     decodes = [FakeNode("d0"), FakeNode("d1")]
@@ -184,8 +184,8 @@ async def test_conversations_keep_their_decode_node_and_the_load_stays_even():
 
 
 def test_the_stall_estimate_reads_the_decode_pools_own_cap():
-    from pdserve.config import PDServeConfig
-    from pdserve.serve import decode_step_cap
+    from pdserve_core.config import PDServeConfig
+    from router.build import decode_step_cap
 
     config = PDServeConfig.model_validate(
         {"engine": {"long_prefill_token_threshold": 256}, "pools": {"decode": {}}}

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from pdserve.planner.plan import Workload, build_plan, format_plan
-from pdserve.roofline import model as rf
-from pdserve.roofline.specs import (
+from pdserve_core.roofline import model as rf
+from pdserve_core.roofline.specs import (
     DEVICES,
     PRESETS,
     SpecError,
@@ -216,9 +216,9 @@ def test_cli_rejects_bad_input(capsys):
 
 
 def test_serve_takes_its_chunk_from_the_planner(default_model_dir, monkeypatch):
-    from pdserve.config import parse_config
-    from pdserve.roofline import serving
     from pdserve.serve import with_planned_chunk
+    from pdserve_core.config import parse_config
+    from pdserve_core.roofline import serving
 
     planned = with_planned_chunk(
         parse_config({"engine": {"device": "h100-sxm"}}), default_model_dir

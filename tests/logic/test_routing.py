@@ -1,18 +1,17 @@
-"""A request's route is one value (router/routing.py): each reason in its order, and the
+"""A request's route is one value (router/decides/routing.py): each reason in its order, and the
 adaptive estimate computed for the very prefill node the route sends the prompt to."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.types import NodeInfo, NodeStats
-from router import seam
+from pdserve_core.engine.types import NodeInfo, NodeStats
+from router.decides import seam
+from router.decides.routing import Routing
 from router.errors import PoolUnavailable
-from router.nodes import Node
-from router.policies import make_policy
+from router.links.nodes import Node
 from router.pools import Pool
-from router.routing import Routing
-from tests.helpers.fake_nodes import FakeNode, placement_rule, sampling
+from tests.helpers.fake_nodes import FakeNode, new_pool, placement_rule, sampling
 
 
 def node(name: str, rate: float = 1000.0, **counts) -> Node:
@@ -27,7 +26,7 @@ def node(name: str, rate: float = 1000.0, **counts) -> Node:
 
 
 def pool(role: str, *nodes: Node) -> Pool:
-    return Pool(role, list(nodes), make_policy("least_outstanding", role))
+    return new_pool(role, list(nodes), "least_outstanding")
 
 
 def routing(prefill=(), decode=(), mode="adaptive", fallback=True) -> Routing:
@@ -35,7 +34,7 @@ def routing(prefill=(), decode=(), mode="adaptive", fallback=True) -> Routing:
         pool("decode", *(decode or [node("d0")])),
         pool("prefill", *prefill),
         placement_rule(mode, initial_handover_s=0.1),
-        fallback,
+        prefill_fallback=fallback,
     )
 
 
@@ -71,7 +70,7 @@ def test_each_reason_in_its_order():
     down.healthy = False
     alone = routing([node("p0")], [down]).route(64, plain)
     assert (alone.legs(), alone.reason) == ([("prefill", "p0")], "no_decode_node")
-    colocated = Routing(pool("colocated", node("c0"))).route(64, plain)
+    colocated = Routing(pool("colocated", node("c0")), prefill_fallback=False).route(64, plain)
     assert (colocated.legs(), colocated.reason) == ([("colocated", "c0")], "colocated")
 
 
@@ -91,6 +90,7 @@ def spreading(monkeypatch, prefill=(), decode=(), quiet_s=30.0) -> tuple[Routing
         pool("decode", *(decode or [node("d0")])),
         pool("prefill", *(prefill or [node("p0")])),
         placement_rule("adaptive", spread_quiet_s=quiet_s, long_prompt_tokens=512),
+        prefill_fallback=True,
     )
     return r, now
 
@@ -117,7 +117,7 @@ def test_while_no_long_prompt_arrives_both_nodes_serve_whole_requests_by_load(mo
 
 
 def test_the_spread_goes_where_the_prompt_is_cached_and_is_off_by_default(monkeypatch):
-    from router.prefixes import Prefix
+    from router.decides.prefixes import Prefix
 
     d0, p0 = node("d0", outstanding=5), node("p0")
     r, _ = spreading(monkeypatch, [p0], [d0])

@@ -10,14 +10,15 @@ from dataclasses import replace
 import pytest
 
 from pdserve.cli import main
-from pdserve.config import AutoscaleConfig, PlacementConfig
 from pdserve.planner.fit import Fit, save_calibration
-from pdserve.roofline.specs import PRESETS
-from pdserve.roofline.stepmodel import StepModel
 from pdserve.sim import loop
 from pdserve.sim.cluster import NodeSpec, SimRequest, Topology, requests_from_records, simulate
 from pdserve.sim.main import gpu_step_model, synthetic_requests
+from pdserve_core.config import AutoscaleConfig, PDServeConfig, parse_config
+from pdserve_core.roofline.specs import PRESETS
+from pdserve_core.roofline.stepmodel import StepModel
 from router import clock
+from tests.helpers.fake_nodes import new_pool
 
 SMOL = PRESETS["smollm2-135m"]
 FREE = 1e30
@@ -27,6 +28,15 @@ FLAT = StepModel(0.010, 0.001, FREE, FREE, 0.0, "flat")
 
 def _node(step=FLAT, seqs=64, chunk=2048) -> NodeSpec:
     return NodeSpec(step, seqs, chunk)
+
+
+def _config(placement: str, autoscale: dict | None = None, **router):
+    """A served cluster's config: `router.placement.mode`, other router settings, and
+    `pools.autoscale`."""
+    data = {"router": {"placement": {"mode": placement}, **router}}
+    if autoscale is not None:
+        data["pools"] = {"autoscale": autoscale}
+    return parse_config(data)
 
 
 def test_virtual_time_jumps_to_the_next_timer_and_a_stuck_run_says_so():
@@ -93,7 +103,7 @@ def test_disaggregated_request_crosses_the_seam():
         link_bytes_per_s=1e9,
         link_latency_s=0.001,
         handover_latency_s=0.002,
-        placement=PlacementConfig(mode="remote"),
+        config=_config("remote"),
     )
     prompt = 1000
     result = simulate(topology, [SimRequest(0, 0.0, prompt, 3)])
@@ -107,7 +117,7 @@ def test_disaggregated_request_crosses_the_seam():
 
 def test_adaptive_placement_keeps_a_short_prompt_off_a_busy_prefill_node():
     # prefill at 1000 tokens/s; a 3000-token prompt then a short one: adaptive computes the short
-    # one on its decode node (the router's own rule, router/placement.py)
+    # one on its decode node (the router's own rule, router/decides/placement.py)
     slow = StepModel(0.0, 0.0, 1.0, FREE, 0.0, "slow")
     per_token = slow.seconds(SMOL, 1, 1, 0, 0, 0)
     step = StepModel(0.0, 0.0, per_token * 1000, FREE, 0.0, "1k tokens/s")
@@ -116,7 +126,7 @@ def test_adaptive_placement_keeps_a_short_prompt_off_a_busy_prefill_node():
         SMOL,
         prefill=[_node(step)],
         decode=[_node(step)],
-        placement=PlacementConfig(mode="adaptive"),
+        config=_config("adaptive"),
     )
     result = simulate(topology, requests)
     # the long one: 3 s either way, too long to stall the decode node with
@@ -128,7 +138,7 @@ def test_adaptive_placement_keeps_a_short_prompt_off_a_busy_prefill_node():
             SMOL,
             prefill=[_node(step)],
             decode=[_node(step)],
-            placement=PlacementConfig(mode="remote"),
+            config=_config("remote"),
         ),
         requests,
     )
@@ -137,7 +147,7 @@ def test_adaptive_placement_keeps_a_short_prompt_off_a_busy_prefill_node():
 
 def test_least_outstanding_spreads_over_decode_nodes():
     topology = Topology(
-        SMOL, prefill=[_node()], decode=[_node(), _node()], placement=PlacementConfig(mode="remote")
+        SMOL, prefill=[_node()], decode=[_node(), _node()], config=_config("remote")
     )
     requests = [SimRequest(i, 0.0, 10, 50) for i in range(10)]
     result = simulate(topology, requests)
@@ -196,7 +206,7 @@ def test_simulate_cli_writes_a_report(tmp_path, capsys):
 
 
 def test_autoscale_rule_holds_moves_and_respects_bounds_and_cooldown():
-    from router.autoscale import Autoscaler
+    from router.decides.autoscale import Autoscaler
 
     policy = AutoscaleConfig(
         enabled=True, cooldown_s=30, reversal_s=35, high=1.5, min_pressure=0.5, max_prefill=3
@@ -233,14 +243,12 @@ def test_autoscaled_pools_follow_a_shift_to_long_prompts():
             prefill=[node] * 2,
             decode=[node] * 6,
             link_bytes_per_s=50e9,
-            placement=PlacementConfig(mode="remote"),
-            autoscale=autoscale,
-            tpot_target_s=0.05,
+            config=_config("remote", autoscale, tpot_target_s=0.05),
         )
         return simulate(topology, requests, keep_tokens=False)
 
     fixed = run(None)
-    scaled = run(AutoscaleConfig(enabled=True, interval_s=2, cooldown_s=4))
+    scaled = run({"enabled": True, "interval_s": 2, "cooldown_s": 4})
     assert fixed.moves == []
     assert scaled.moves and all(m["action"] == "to_prefill" for m in scaled.moves)
     assert scaled.moves[0]["at_s"] > 30  # nothing moves while decode is the heavier side
@@ -274,12 +282,10 @@ def test_simulate_refuses_bad_settings(args, says, tmp_path, capsys):
 
 
 def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
-    from pdserve.engine.types import NodeStats
-    from router.autoscale import PoolScaler
+    from pdserve_core.engine.types import NodeStats
+    from router.decides.autoscale import PoolScaler
+    from router.links.nodes import Node
     from router.metrics import RouterMetrics
-    from router.nodes import Node
-    from router.policies import make_policy
-    from router.pools import Pool
 
     def node(name, busy, predicted, steps, **stats):
         n = Node(name, client=None)
@@ -295,11 +301,9 @@ def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
         )  # fmt: skip
         return n
 
-    prefill = Pool(
-        "prefill", [node("p0", 9.5, 9.0, 40, waiting=8)], make_policy("round_robin", "prefill")
-    )
+    prefill = new_pool("prefill", [node("p0", 9.5, 9.0, 40, waiting=8)], "round_robin")
     decodes = [node("d0", 3, 2.0, 200, running=5), node("d1", 3, 2.0, 200, running=1)]
-    decode = Pool("decode", decodes, make_policy("round_robin", "decode"))
+    decode = new_pool("decode", decodes, "round_robin")
     metrics = RouterMetrics(
         {"prefill": prefill, "decode": decode}, "disaggregated", tpot_target_s=0.1
     )
@@ -323,7 +327,7 @@ def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
 
 
 def test_autoscale_replicas_when_the_cluster_is_short_or_idle():
-    from router.autoscale import Autoscaler
+    from router.decides.autoscale import Autoscaler
 
     policy = AutoscaleConfig(
         enabled=True,
@@ -360,11 +364,9 @@ def test_autoscale_replicas_when_the_cluster_is_short_or_idle():
 async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
     import asyncio
 
-    from pdserve.engine.types import NodeStats
-    from router.autoscale import PoolScaler
-    from router.nodes import Node
-    from router.policies import make_policy
-    from router.pools import Pool
+    from pdserve_core.engine.types import NodeStats
+    from router.decides.autoscale import PoolScaler
+    from router.links.nodes import Node
 
     def node(name):
         n = Node(name, client=None)
@@ -387,8 +389,8 @@ async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
         async def remove(self, gone):
             self.stopped.append(gone.name)
 
-    prefill = Pool("prefill", [node("p0")], make_policy("round_robin", "prefill"))
-    decode = Pool("decode", [node("d0")], make_policy("round_robin", "decode"))
+    prefill = new_pool("prefill", [node("p0")], "round_robin")
+    decode = new_pool("decode", [node("d0")], "round_robin")
     factory = Factory()
     policy = AutoscaleConfig(
         enabled=True, cooldown_s=0, add_above=1.0, remove_below=0.1, remove_after_s=0
@@ -408,3 +410,36 @@ async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
     assert [n.name for n in decode.nodes] == ["d0"]  # the least busy one left at once
     await asyncio.wait_for(scaler._change, 5)
     assert factory.stopped == ["decode-new"] and factory.started == ["decode"]
+
+
+def test_simulate_reads_the_served_config_and_its_flags_override_it(tmp_path):
+    import argparse
+
+    from pdserve.sim.main import add_parser, config_from_args
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "router:\n  policy: round_robin\n  node_silence_s: 9\n  placement: {mode: threshold}\n"
+        "pools:\n  decode: {replicas: 2}\n  autoscale: {enabled: true, interval_s: 7, min_decode: 2}\n"
+    )
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    base = ["simulate", "--gpu", "h100-sxm", "--decode", "2", "--config", str(path)]
+    config = config_from_args(parser.parse_args(base))
+    assert (config.router.policy, config.router.node_silence_s) == ("round_robin", 9)
+    assert config.router.placement.mode == "threshold"
+    assert (config.pools.autoscale.interval_s, config.pools.autoscale.min_decode) == (7, 2)
+    flags = ["--placement", "remote", "--autoscale-interval-s", "2", "--tpot-target-s", "0.3"]
+    config = config_from_args(parser.parse_args(base + flags))
+    assert config.router.placement.mode == "remote" and config.router.policy == "round_robin"
+    assert (config.pools.autoscale.interval_s, config.pools.autoscale.min_decode) == (2, 2)
+    assert config.router.tpot_target_s == 0.3
+    assert (config.mode, config.pools.prefill.replicas, config.pools.decode.replicas) == (
+        "disaggregated",
+        1,
+        2,
+    )  # the topology's pools
+    # the defaults are the config schema's, not the command line's
+    assert config_from_args(parser.parse_args(["simulate", "--gpu", "h100-sxm"])) == (
+        PDServeConfig()
+    )

@@ -12,8 +12,6 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli import main
-from pdserve.engine.stats import STEP_RECORDS, StatsCollector
-from pdserve.engine.types import NodeStats
 from pdserve.planner.fit import Fit, fit, save_calibration
 from pdserve.planner.plan import (
     Workload,
@@ -22,9 +20,11 @@ from pdserve.planner.plan import (
     calibrated_prefill,
     decode_batch_at_rate,
 )
-from pdserve.roofline import model as rf
-from pdserve.roofline.specs import DEVICES, PRESETS
-from pdserve.roofline.stepmodel import (
+from pdserve_core.engine.stats import STEP_RECORDS, StatsCollector
+from pdserve_core.engine.types import NodeStats
+from pdserve_core.roofline import model as rf
+from pdserve_core.roofline.specs import DEVICES, PRESETS
+from pdserve_core.roofline.stepmodel import (
     Calibration,
     FitError,
     StepModel,
@@ -36,12 +36,11 @@ from pdserve.roofline.stepmodel import (
     model_key,
     step_cost,
 )
+from router.decides.rates import Window
+from router.links.nodes import Node
 from router.metrics import RouterMetrics
 from router.metrics.balance import cost_pressure, step_times
-from router.nodes import Node
-from router.policies import make_policy
-from router.pools import Pool
-from router.rates import Window
+from tests.helpers.fake_nodes import new_pool
 from tests.logic.test_metrics_logic import _details, _scheduler
 
 SMOL = PRESETS["smollm2-135m"]
@@ -275,14 +274,10 @@ def test_window_step_times_and_the_exported_series():
         return n
 
     pools = {
-        "prefill": Pool(
-            "prefill",
-            [node("p0", 6.0, 5.0, "calibrated:/x.json")],
-            make_policy("least_outstanding", "prefill"),
+        "prefill": new_pool(
+            "prefill", [node("p0", 6.0, 5.0, "calibrated:/x.json")], "least_outstanding"
         ),
-        "decode": Pool(
-            "decode", [node("d0", 2.0, 1.0, "roofline")], make_policy("least_outstanding", "decode")
-        ),
+        "decode": new_pool("decode", [node("d0", 2.0, 1.0, "roofline")], "least_outstanding"),
     }
     metrics = RouterMetrics(pools, "disaggregated", window_s=30, tpot_target_s=0.1)
     values = {

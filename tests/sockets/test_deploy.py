@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from pdserve.config import PDServeConfig, parse_config
+from pdserve_core.config import PDServeConfig, parse_config
 from tests.conftest import REPO
 
 PROMETHEUS = REPO / "deploy/prometheus"

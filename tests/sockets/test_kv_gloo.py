@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from decode_node.kv_client import KVClient
-from pdserve.kv.handle import KVHandle
-from pdserve.kv.layout import describe
-from pdserve.kv.stats import TransferStats
-from pdserve.kv.transport.collective import Pairing
-from pdserve.kv.transport.gloo import GlooBackend, GlooPlane, parse_id
-from pdserve.kv.wire import ProtocolError
+from pdserve_core.kv.handle import KVHandle
+from pdserve_core.kv.layout import describe
+from pdserve_core.kv.stats import TransferStats
+from pdserve_core.kv.transport.collective import Pairing
+from pdserve_core.kv.transport.gloo import GlooBackend, GlooPlane, parse_id
+from pdserve_core.kv.wire import ProtocolError
 from prefill_node.kv_server import KVServer
 from prefill_node.leases import ProducerTable
 from tests.conftest import REPO

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from pdserve.kv.transport.collective import CONSUMER_RANK, PRODUCER_RANK, Pairing, pair_key
-from pdserve.kv.transport.nccl import NcclBackend
-from pdserve.kv.wire import ProtocolError
+from pdserve_core.kv.transport.collective import CONSUMER_RANK, PRODUCER_RANK, Pairing, pair_key
+from pdserve_core.kv.transport.nccl import NcclBackend
+from pdserve_core.kv.wire import ProtocolError
 
 
 class RecordingNccl:
@@ -89,10 +89,10 @@ def _rank(role: str, port_queue, result_queue) -> None:
     import torch
 
     from decode_node.kv_client import KVClient
-    from pdserve.kv.handle import KVHandle
-    from pdserve.kv.layout import describe
-    from pdserve.kv.stats import TransferStats
-    from pdserve.kv.transport.nccl import NcclPlane
+    from pdserve_core.kv.handle import KVHandle
+    from pdserve_core.kv.layout import describe
+    from pdserve_core.kv.stats import TransferStats
+    from pdserve_core.kv.transport.nccl import NcclPlane
     from prefill_node.kv_server import KVServer
     from prefill_node.leases import ProducerTable
 
@@ -151,7 +151,7 @@ def test_two_rank_nccl_transfer_moves_exact_blocks():
 def test_a_stalled_pair_is_aborted_and_paired_afresh():
     """The watchdog's half that needs no GPU: a wait that outlives its deadline raises, and an
     aborted pair is forgotten on both sides (the next contact sends a new id)."""
-    from pdserve.kv.transport.collective import wait_until
+    from pdserve_core.kv.transport.collective import wait_until
 
     started = time.monotonic()
     with pytest.raises(TimeoutError):

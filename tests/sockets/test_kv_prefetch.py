@@ -12,11 +12,11 @@ import torch
 
 from decode_node.kv_consumer import ConsumerWorker, RecvSpec
 from decode_node.staging import StagedKV, Staging
-from pdserve.kv.handle import KVHandle
-from pdserve.kv.settings import ConnectorSettings
-from pdserve.kv.stats import TransferStats
-from pdserve.kv.transport.tcp import TcpPlane
-from pdserve.kv.wire import TransferError
+from pdserve_core.kv.handle import KVHandle
+from pdserve_core.kv.settings import ConnectorSettings
+from pdserve_core.kv.stats import TransferStats
+from pdserve_core.kv.transport.tcp import TcpPlane
+from pdserve_core.kv.wire import TransferError
 from prefill_node.kv_server import KVServer
 from prefill_node.leases import ProducerTable
 from prefill_node.progress import StepWrite, WriteProgress
@@ -165,7 +165,7 @@ def test_the_pull_is_served_from_the_prefetch_and_releases_the_lease(producer):
 
 
 def _gauges():
-    from pdserve.kv.stats import KVGauges
+    from pdserve_core.kv.stats import KVGauges
 
     return KVGauges()
 

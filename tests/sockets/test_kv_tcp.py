@@ -14,12 +14,12 @@ import torch
 
 import prefill_node.kv_server as kv_server
 from decode_node.kv_client import KVClient
-from pdserve.kv.handle import KVHandle
-from pdserve.kv.layout import LayoutError, describe, mismatch
-from pdserve.kv.stats import TransferStats
-from pdserve.kv.transport import plane_class
-from pdserve.kv.transport.tcp import TcpPlane
-from pdserve.kv.wire import TransferError
+from pdserve_core.kv.handle import KVHandle
+from pdserve_core.kv.layout import LayoutError, describe, mismatch
+from pdserve_core.kv.stats import TransferStats
+from pdserve_core.kv.transport import plane_class
+from pdserve_core.kv.transport.tcp import TcpPlane
+from pdserve_core.kv.wire import TransferError
 from prefill_node.kv_server import KVServer
 from prefill_node.leases import ProducerTable
 
@@ -246,7 +246,7 @@ def test_garbage_from_a_peer_is_closed_and_logged(producer, caplog):
 
 
 def test_a_signed_lease_serves_a_pull_that_outran_the_offer(producer, monkeypatch):
-    from pdserve.kv.wire import lease_token
+    from pdserve_core.kv.wire import lease_token
 
     monkeypatch.setattr(kv_server, "CLAIM_WAIT_S", 0.2)
     src, table, _, port = producer
@@ -339,7 +339,7 @@ def test_an_oversized_frame_before_authentication_is_refused_unread(producer):
 def test_a_lease_signed_for_another_engine_start_is_not_honoured(monkeypatch):
     """Lease tokens bind the producer engine's id (new at every start): a token replayed
     against a restarted producer on the same port serves nothing."""
-    from pdserve.kv.wire import lease_token
+    from pdserve_core.kv.wire import lease_token
 
     monkeypatch.setattr(kv_server, "CLAIM_WAIT_S", 0.2)
     kv = caches(fill=True)
@@ -365,7 +365,7 @@ def tls_pair(tmp_path, producer_names=("127.0.0.1",), consumer_ca=None, check_ho
     unless `consumer_ca` says otherwise)."""
     import trustme
 
-    from pdserve.kv.settings import ConnectorSettings
+    from pdserve_core.kv.settings import ConnectorSettings
     from tests.helpers.certs import issue
 
     ca = trustme.CA()
@@ -454,7 +454,7 @@ def test_one_cluster_certificate_serves_any_address_without_hostname_checks(tmp_
 
 
 def test_tls_settings_come_in_threes_and_name_a_missing_file(tmp_path):
-    from pdserve.kv.settings import ConnectorSettings
+    from pdserve_core.kv.settings import ConnectorSettings
 
     with pytest.raises(ValueError, match="together"):
         ConnectorSettings.from_extra({"secret": "s", "tls_cert_file": "x.pem"})

@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from pdserve.kv.transport.plane import block_runs
-from pdserve.kv.wire import ProtocolError, proof, recv_message, send_message, verify
+from pdserve_core.kv.transport.plane import block_runs
+from pdserve_core.kv.wire import ProtocolError, proof, recv_message, send_message, verify
 from pdserve_proto.v1 import kv_transfer_pb2 as pb
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 START = """
 import ray
-from pdserve.config import PDServeConfig
+from pdserve_core.config import PDServeConfig
 from pdserve.serve import _init_ray
 assert _init_ray(PDServeConfig()) is True
 pools = ray.cluster_resources()
@@ -35,9 +35,9 @@ def test_serve_starts_its_own_ray_whatever_cluster_the_machine_last_started():
 EARLY_CLOSE = """
 import asyncio, time
 import ray
-from pdserve.engine.legs import Whole
-from pdserve.engine.types import TokenDelta
-from router.ray_nodes import RayNodeClient
+from pdserve_core.engine.legs import Whole
+from pdserve_core.engine.types import TokenDelta
+from router.links.ray_nodes import RayNodeClient
 
 @ray.remote
 class Node:

@@ -18,7 +18,7 @@ SCRIPT = r"""
 import stat
 from pathlib import Path
 import ray
-from pdserve.config import PDServeConfig
+from pdserve_core.config import PDServeConfig
 from pdserve.serve import _init_ray
 
 _init_ray(PDServeConfig.model_validate({"ray": {"num_cpus": 1}}))

@@ -12,16 +12,15 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from pdserve.engine.types import CACHE_SALT_ARG
+from pdserve_core.engine.types import CACHE_SALT_ARG
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
-from router.admission import Admission
-from router.grpc_api import create_server
+from router.decides.admission import Admission
+from router.faces.grpc_api import create_server
+from router.faces.vllm_face import Renderer
 from router.metrics import RouterMetrics
-from router.retry import RetryPolicy
 from router.service import RouterService
-from router.vllm_face import Renderer
-from tests.helpers.fake_nodes import FakeNode, disaggregated
+from tests.helpers.fake_nodes import FakeNode, disaggregated, request_limits, retry_policy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")  # the servers' loop
 
@@ -51,15 +50,17 @@ class Router:
 async def router(default_model_dir):
     import uvicorn
 
-    from pdserve.config import PDServeConfig
-    from router.connections import uvicorn_config
-    from router.vllm_face import serve_app
+    from pdserve_core.config import PDServeConfig
+    from router.faces.connections import uvicorn_config
+    from router.faces.vllm_face import serve_app
 
     nodes = {"p0": FakeNode("p0"), "d0": FakeNode("d0")}
     dispatcher = disaggregated([nodes["p0"]], [nodes["d0"]])
     metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
     metrics.watch(dispatcher)
-    service = RouterService(dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
+    service = RouterService(
+        dispatcher, metrics, Admission(LIMIT), retry_policy(3), 30, request_limits()
+    )
     router = {"api_key": KEY, "max_request_bytes": LIMIT_BYTES, "body_timeout_s": SLOW_S}
     config = PDServeConfig.model_validate(
         {"engine": {"dtype": "float32", "max_model_len": 2048}, "router": router}
@@ -362,7 +363,7 @@ async def test_metrics_and_detailed_health_need_the_key(router, http):
 async def test_nodes_are_asked_at_once_and_a_silent_one_is_named_not_waited_on(
     router, http, monkeypatch
 ):
-    import router.openai_http as openai_http
+    import router.faces.openai_http as openai_http
 
     monkeypatch.setattr(openai_http, "NODE_ANSWER_S", 0.5)
     stuck = router.nodes["p0"]
@@ -380,7 +381,7 @@ async def test_nodes_are_asked_at_once_and_a_silent_one_is_named_not_waited_on(
 async def test_grpc_health_follows_the_pools(router):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from router.grpc_api import follow_pools
+    from router.faces.grpc_api import follow_pools
 
     follower = asyncio.create_task(follow_pools(router.health, router.service.dispatcher))
     try:
@@ -439,8 +440,8 @@ async def test_both_faces_speak_mutual_tls_when_configured(router, tmp_path):
     import trustme
     import uvicorn
 
-    from pdserve.tls import ServerFiles
-    from router.connections import uvicorn_config
+    from pdserve_core.tls import ServerFiles
+    from router.faces.connections import uvicorn_config
     from tests.helpers.certs import issue
 
     ca = trustme.CA()
@@ -519,7 +520,7 @@ async def test_one_client_address_holds_only_its_share(router):
     RESOURCE_EXHAUSTED; each place comes back when its connection or call ends."""
     import uvicorn
 
-    from router.connections import uvicorn_config
+    from router.faces.connections import uvicorn_config
 
     router.reset()
     app = await router.new_app()

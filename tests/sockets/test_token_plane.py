@@ -1,6 +1,6 @@
 """The token plane as a hostile peer and a stalled client would use it: the node's listener
-(pdserve/engine/deltas.py) and the router's end (router/token_stream.py) in one process, over
-real loopback sockets (no Ray, no vLLM; tests/sockets/test_token_stream.py runs them in a Ray
+(pdserve_core/engine/deltas.py) and the router's end (router/links/token_stream.py) in one process,
+over real loopback sockets (no Ray, no vLLM; tests/sockets/test_token_stream.py runs them in a Ray
 actor).
 """
 
@@ -15,15 +15,15 @@ import socket
 import pytest
 import pytest_asyncio
 
-from pdserve.engine import deltas, frames
-from pdserve.engine.deltas import DeltaServer, router_hello
-from pdserve.engine.frames import END
-from pdserve.engine.types import KVLoadFailed, RequestRejected, TokenDelta
-from pdserve.kv.wire import ProtocolError, encode_message
+from pdserve_core.engine import deltas, frames
+from pdserve_core.engine.deltas import DeltaServer, router_hello
+from pdserve_core.engine.frames import END
+from pdserve_core.engine.types import KVLoadFailed, RequestRejected, TokenDelta
+from pdserve_core.kv.wire import ProtocolError, encode_message
 from pdserve_proto.v1 import kv_transfer_pb2 as pb
-from router import token_stream
 from router.errors import NodeFailed, SlowReader
-from router.token_stream import TokenStream
+from router.links import token_stream
+from router.links.token_stream import TokenStream
 
 SECRET = "the-cluster-secret"
 

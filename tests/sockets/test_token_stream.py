@@ -1,6 +1,6 @@
-"""The token path (pdserve/engine/deltas.py, router/token_stream.py) between a real Ray actor and
-the router's client, over a real loopback socket: the engine actor's relay with its streaming
-methods replaced by scripted ones (no vLLM).
+"""The token path (pdserve_core/engine/deltas.py, router/links/token_stream.py) between a real Ray
+actor and the router's client, over a real loopback socket: the engine actor's relay with its
+streaming methods replaced by scripted ones (no vLLM).
 
 One Ray for the whole file, in a subprocess: each check prints one line, the test asserts them.
 """
@@ -21,12 +21,12 @@ pytestmark = pytest.mark.sockets
 SCRIPT = r"""
 import asyncio, json, os, socket, time
 import ray
-from pdserve.engine.deltas import client_tls
-from pdserve.engine.actor import EngineActor
-from pdserve.engine.legs import Decode, Prefill, Whole
-from pdserve.engine.types import RequestRejected, TokenDelta
+from pdserve_core.engine.deltas import client_tls
+from pdserve_core.engine.actor import EngineActor
+from pdserve_core.engine.legs import Decode, Prefill, Whole
+from pdserve_core.engine.types import RequestRejected, TokenDelta
 from router.errors import NodeFailed
-from router.ray_nodes import RayNodeClient
+from router.links.ray_nodes import RayNodeClient
 
 
 SECRET = "the-cluster-secret"

@@ -1,5 +1,5 @@
-"""vLLM's own OpenAI server over pdserve's pools (router/vllm_face.py), with fake nodes: vLLM's
-layer validates, renders and shapes; pdserve's dispatch runs what it asks for."""
+"""vLLM's own OpenAI server over pdserve's pools (router/faces/vllm_face.py), with fake nodes:
+vLLM's layer validates, renders and shapes; pdserve's dispatch runs what it asks for."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from pdserve.engine.types import CACHE_SALT_ARG
-from router.admission import Admission
+from pdserve_core.engine.types import CACHE_SALT_ARG
+from router.decides.admission import Admission
 from router.metrics import RouterMetrics
-from router.retry import RetryPolicy
 from router.service import RouterService
-from tests.helpers.fake_nodes import FakeNode, disaggregated
+from tests.helpers.fake_nodes import FakeNode, disaggregated, request_limits, retry_policy
 
 LIMIT = 2
 KEY = "face-key"
@@ -49,13 +48,15 @@ class Face:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def face(default_model_dir):
-    from pdserve.config import PDServeConfig
-    from router.vllm_face import serve_app
+    from pdserve_core.config import PDServeConfig
+    from router.faces.vllm_face import serve_app
 
     nodes = {"p0": FakeNode("p0"), "d0": FakeNode("d0")}
     dispatcher = disaggregated([nodes["p0"]], [nodes["d0"]])
     metrics = RouterMetrics(dispatcher.pools, dispatcher.mode, tpot_target_s=0.1)
-    service = RouterService(dispatcher, metrics, Admission(LIMIT), RetryPolicy(3), 30)
+    service = RouterService(
+        dispatcher, metrics, Admission(LIMIT), retry_policy(3), 30, request_limits()
+    )
     flags = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
     config = PDServeConfig.model_validate(
         {

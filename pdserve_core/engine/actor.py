@@ -1,0 +1,488 @@
+"""A vLLM `AsyncLLM` hosted in a Ray actor: what every node of every pool is made of.
+
+Life of a request through an engine actor:
+1. The router sends a leg (pdserve_core/engine/legs.py) through `relay`, one Ray call per request or
+   leg, and the actor runs it by its type (`handler`): a `Whole` leg here (`generate`: colocated
+   nodes, and a decode node prefilling for itself); the roles add theirs — `Prefill`
+   (`PrefillNode.prefill`, prefill_node/node.py) and `Decode` (`DecodeNode.decode`,
+   decode_node/node.py). The prompt is already tokenized, so the engine never re-tokenizes or
+   re-applies a template. (With `router.token_stream: ray` the router calls `stream` itself, as
+   a Ray streaming call.)
+2. vLLM runs it with `RequestOutputKind.DELTA`; the handler yields one `TokenDelta` per engine
+   output (the new token ids, their text, and on the last one the finish reason), and `relay`
+   queues each on the router's token stream (pdserve_core/engine/deltas.py), which sends one
+   frame per event-loop turn for all of that router's requests here.
+3. If the router cancels the call (client gone, deadline), Ray cancels the task, vLLM's
+   `generate` sees `CancelledError` and aborts the request, which frees its KV blocks; a router
+   whose connection closed stops its requests the same way.
+
+The actor is placed by `create_engine_actor` with the pool's Ray resources and an environment
+that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any
+
+import ray
+
+from pdserve_core.config import EngineConfig, PoolConfig, cpu_preload_paths
+from pdserve_core.engine import dtype
+from pdserve_core.engine.deltas import END, DeltaServer, ending, server_tls
+from pdserve_core.engine.legs import Whole
+from pdserve_core.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
+from pdserve_core.engine.text import ContinuedText
+from pdserve_core.engine.types import (
+    CACHE_SALT_ARG,
+    OUTPUT_START_ARG,
+    EngineDown,
+    NodeInfo,
+    NodeStats,
+    RequestRejected,
+    TokenDelta,
+)
+from pdserve_core.kv.stats import KVGauges
+from pdserve_core.roofline.live import resolve_peaks
+from pdserve_core.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
+
+logger = logging.getLogger(__name__)
+
+
+def plain_logprobs(logprobs: Any) -> list | None:
+    """vLLM's logprobs (a list or FlatLogprobs of {token id: Logprob}, None entries allowed) as
+    plain tuples that cross Ray cheaply, in vLLM's order."""
+    if logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else [(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in position.items()]
+        for position in logprobs
+    ]
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # no usable CUDA: a CPU engine
+        return None
+
+
+def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
+    """Environment for one engine actor (passed through Ray's runtime_env)."""
+    threads = engine.omp_threads or max(1, int(pool.num_cpus))
+    bind = pool.cpu_bind[replica % len(pool.cpu_bind)] if pool.cpu_bind else "nobind"
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    preload = cpu_preload_paths(engine.cpu_preload) if not pool.num_gpus else []
+    if preload:  # vLLM adds torch's libgomp unless an OpenMP runtime is already preloaded
+        env["LD_PRELOAD"] = ":".join(preload)
+    for name in ("VLLM_RPC_BASE_PATH", "PDSERVE_CACHE_DIR", "PDSERVE_CALIBRATION_DIR"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return env
+
+
+def engine_kwargs(
+    model: str,
+    engine: EngineConfig,
+    served_name: str,
+    kv_transfer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """vLLM `AsyncEngineArgs` keyword arguments for one engine (`kv_transfer`: the fields of a
+    vLLM `KVTransferConfig`, for engines in a disaggregated pool)."""
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        served_model_name=served_name,
+        dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
+        enforce_eager=engine.enforce_eager,
+        max_num_seqs=engine.max_num_seqs,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        seed=engine.seed,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        enable_logging_iteration_details=True,  # per-step tokens and time for the utilization
+    )
+    if engine.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    if engine.long_prefill_token_threshold:
+        kwargs["long_prefill_token_threshold"] = engine.long_prefill_token_threshold
+    if engine.block_size:
+        kwargs["block_size"] = engine.block_size
+    if engine.reasoning_parser:
+        kwargs["reasoning_parser"] = engine.reasoning_parser
+    if kv_transfer:
+        from pdserve_core.kv.worker_extension import QUALNAME
+
+        kwargs["kv_transfer_config"] = kv_transfer
+        kwargs["worker_extension_cls"] = QUALNAME  # the router's word reaches the connector
+    return kwargs
+
+
+def _advertised_host(host: str) -> str:
+    """The address peers reach a server bound to `host` at: this host's Ray node address for
+    every interface."""
+    return ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+
+
+def _advertised(kv_transfer: dict[str, Any]) -> dict[str, Any]:
+    """A KV server bound to every interface tells decode nodes this host's cluster address."""
+    extra = dict(kv_transfer.get("kv_connector_extra_config") or {})
+    if extra.get("host") in ("0.0.0.0", "::") and not extra.get("advertise_host"):
+        extra["advertise_host"] = _advertised_host(extra["host"])
+    return {**kv_transfer, "kv_connector_extra_config": extra}
+
+
+class EngineActor:
+    """Ray actor body (wrapped by `ray.remote` in `create_engine_actor`)."""
+
+    ROLE = "colocated"
+    """The pool role this class serves (its step-time calibration is looked up by it)."""
+
+    def __init__(
+        self,
+        name: str,
+        engine_args: dict[str, Any],
+        peaks: dict[str, Any] | None = None,
+        stream_host: str = "127.0.0.1",
+        stream_tls: dict[str, str] | None = None,
+        stream_secret: str | None = None,
+    ) -> None:
+        self._name = name
+        self._engine_args = engine_args
+        self._peaks = peaks or {}
+        self._engine = None
+        self._stats = NodeStats()
+        self._collector = StatsCollector(self._stats)
+        self._gpu: GpuSampler | None = None
+        self._max_num_batched_tokens = 0
+        self._deltas = DeltaServer(name, stream_secret)
+        """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
+        self._stream_host = stream_host
+        """Where the token stream listens ("0.0.0.0": every interface, the Ray node's address
+        told to routers)."""
+        self._stream_tls = stream_tls
+        """The KV plane's TLS files: the token stream is mutual TLS with them (None: TCP)."""
+        self._stream_context = None
+
+    async def start(self) -> NodeInfo:
+        """Build the vLLM engine; returns what the router needs to know about it."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        self._stream_context = server_tls(self._stream_tls)  # a bad file fails the start here
+        kwargs = dict(self._engine_args)
+        kwargs["dtype"] = dtype.resolve(kwargs.get("dtype", dtype.NATIVE), _gpu_name() is not None)
+        if kwargs.get("kv_transfer_config"):
+            from vllm.config import KVTransferConfig
+
+            kv_transfer = _advertised(kwargs["kv_transfer_config"])
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
+        args = AsyncEngineArgs(**kwargs)
+        # vLLM's default logging stat logger would log every step (iteration details are on)
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+        self._engine = AsyncLLM.from_engine_args(
+            args, stat_loggers=[stat_logger_factory(self._collector)]
+        )
+        vllm_config = self._engine.vllm_config
+        self._start_utilization(vllm_config)
+        info = NodeInfo(
+            name=self._name,
+            pid=os.getpid(),
+            ray_node_id=ray.get_runtime_context().get_node_id(),
+            max_model_len=vllm_config.model_config.max_model_len,
+            block_size=vllm_config.cache_config.block_size,
+            num_blocks=vllm_config.cache_config.num_gpu_blocks or 0,
+            start_s=round(time.monotonic() - started, 2),
+            **await self._kv_endpoint(),
+        )
+        logger.info("engine %s ready in %.1f s", self._name, info.start_s)
+        return info
+
+    async def _kv_endpoint(self) -> dict[str, Any]:
+        """The KV connector's endpoint for NodeInfo: KV server address and ports (a producer),
+        and whether it takes prefetches (a consumer)."""
+        if not self._engine_args.get("kv_transfer_config"):
+            return {}
+        ranks = await self._engine.collective_rpc("pdserve_kv_endpoint")
+        info: dict[str, Any] = {"prefetch": all(rank and rank["prefetch"] for rank in ranks)}
+        if ranks and all(rank and "port" in rank for rank in ranks):
+            info |= {"kv_host": ranks[0]["host"], "kv_ports": tuple(r["port"] for r in ranks)}
+        return info
+
+    def _start_utilization(self, vllm_config: Any) -> None:
+        """Give the stats collector the model's shapes, this node's device peaks and its step-time
+        model: the calibration stored for this device and model, else the plain roofline."""
+        from pdserve_core.roofline.specs import model_from_hf_config
+
+        model_config = vllm_config.model_config
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        self._collector.model = model_from_hf_config(
+            model_config.hf_config.to_dict(), self._name, dtype=dtype
+        )
+        peaks = resolve_peaks(**self._peaks, dtype=dtype)
+        self._collector.set_peaks(peaks)
+        self._stats.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self._max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._gpu = GpuSampler.create()
+        self._stats.device = device_key(_gpu_name())
+        self._stats.model_key = model_key(model_config.model, dtype)
+        self._collector.set_step_model(
+            find_step_model(self._stats.device, self._stats.model_key, self.ROLE)
+            or StepModel.roofline(peaks.flops, peaks.mem_bandwidth)
+        )
+        logger.info(
+            "%s: device %s, model %s, step-time model %s",
+            self._name,
+            self._stats.device,
+            self._stats.model_key,
+            self._stats.step_model_source,
+        )
+
+    async def generate(self, leg: Whole) -> AsyncIterator[TokenDelta]:
+        """A whole request on this engine: prefill and decode."""
+        async for delta in self._run(leg.request_id, leg.prompt_token_ids, leg.params):
+            yield delta
+
+    def handler(self, leg: Any) -> Callable[[Any], AsyncIterator[TokenDelta]]:
+        """The method that runs `leg` here, by its type; the roles add theirs (a node runs only
+        the legs its role has)."""
+        if type(leg) is Whole:
+            return self.generate
+        raise ValueError(f"{self._name} runs no {type(leg).__name__} legs")
+
+    async def stream(self, leg: Any) -> AsyncIterator[TokenDelta]:
+        """`leg`'s deltas as a Ray streaming call (`router.token_stream: ray`)."""
+        async for delta in self.handler(leg)(leg):
+            yield delta
+
+    async def delta_endpoint(self) -> tuple[str, int]:
+        """Where a router connects for its token stream (pdserve_core/engine/deltas.py)."""
+        host = self._stream_host
+        if self._stream_tls and self._stream_context is None:
+            self._stream_context = server_tls(self._stream_tls)
+        return await self._deltas.endpoint(host, _advertised_host(host), self._stream_context)
+
+    async def relay(self, key: bytes, tag: int, leg: Any) -> None:
+        """Run `leg` and send its deltas on the router's token stream `key` under `tag`, then
+        `END` or the exception that ended it. The router cancels this call to stop the request
+        (vLLM aborts it and frees its blocks)."""
+        run = self.handler(leg)
+        channel = self._deltas.channel(key)
+        try:
+            async with aclosing(run(leg)) as deltas:
+                async for delta in deltas:
+                    channel.send(tag, delta)
+                    if channel.congested:
+                        await channel.drain()
+                    if channel.closed:  # the router is gone: nobody reads this request
+                        logger.info("%s: %s's router left; stopping it", self._name, leg.request_id)
+                        return
+        except Exception as error:  # the request's end, told in order after its deltas
+            channel.send(tag, ending(error, f"{leg.KIND} on {self._name}"))
+            return
+        channel.send(tag, END)
+
+    async def _run(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        output_start: int | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Feed one request to vLLM and yield its deltas, one per sequence that has new output
+        (the handle, if any, on the last). vLLM's refusal of the request becomes
+        `RequestRejected`, a dead engine `EngineDown`. Where the client's prompt ends inside
+        `prompt_token_ids` (`output_start`, or the router's `OUTPUT_START_ARG` for a resumed
+        stream, whichever is earlier), the rest being output sent already, the deltas' text
+        continues from there (pdserve_core/engine/text.py)."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._engine is None:
+            raise EngineDown(f"{self._name} has no engine (it is starting)")
+        sampling_params.output_kind = RequestOutputKind.DELTA
+        prompt = {"prompt_token_ids": prompt_token_ids}
+        extra = dict(sampling_params.extra_args or {})
+        salt = extra.pop(CACHE_SALT_ARG, None)
+        starts = [output_start, extra.pop(OUTPUT_START_ARG, None)]
+        sampling_params.extra_args = extra or None
+        if salt:  # the prompt shares cached blocks only with prompts of the same salt
+            prompt["cache_salt"] = salt
+        start = min((s for s in starts if isinstance(s, int) and s > 0), default=None)
+        text = None
+        if start is not None and start < len(prompt_token_ids):
+            tokens = prompt_token_ids
+            text = ContinuedText(
+                self._engine.tokenizer, tokens[:start], tokens[start:], sampling_params
+            )
+        self._stats.requests_started_total += 1
+        context = 0  # this request's tokens counted in the decode context (once it decodes)
+        first = True
+        try:
+            async for output in self._engine.generate(prompt, sampling_params, request_id):
+                new_tokens = sum(len(c.token_ids) for c in output.outputs)
+                grown = (context or len(prompt_token_ids)) + new_tokens
+                self._stats.decode_context_tokens += grown - context
+                context = grown
+                for completion in output.outputs:
+                    delta = TokenDelta(
+                        token_ids=list(completion.token_ids),
+                        text=completion.text,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                        num_prompt_tokens=len(prompt_token_ids),
+                        handle=output.kv_transfer_params if output.finished else None,
+                        index=completion.index,
+                        logprobs=plain_logprobs(completion.logprobs),
+                        prompt_logprobs=plain_logprobs(output.prompt_logprobs) if first else None,
+                        num_cached_tokens=output.num_cached_tokens if first else None,
+                    )
+                    yield delta if text is None else replace(delta, text=text.text(delta))
+                    first = False
+        except VLLMClientError as error:
+            raise RequestRejected(str(error)) from None
+        except EngineDeadError:
+            raise EngineDown(f"the engine of {self._name} died") from None
+        finally:
+            self._stats.decode_context_tokens -= context
+            self._stats.requests_finished_total += 1
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_health(self) -> bool:
+        """True while the engine serves. False when there is none: never built, or found dead
+        here and cleared, so the router builds a new one (`start`)."""
+        if self._engine is None:
+            return False
+        try:
+            await self._engine.check_health()
+            dead = self._engine.errored
+        except Exception as error:
+            logger.error("engine %s failed its health check: %r", self._name, error)
+            dead = True
+        if dead:
+            logger.error("engine %s is dead; clearing it for a rebuild", self._name)
+            self._drop_engine()
+        return not dead
+
+    async def drop_engine(self) -> None:
+        """The router found the engine stuck (requests held, no step for `router.engine_stall_s`):
+        end it; the next health check reports no engine and the router builds a new one."""
+        if self._engine is not None:
+            logger.error("engine %s is stuck; ending it for a rebuild", self._name)
+            self._drop_engine()
+
+    def _drop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        # what the dead engine last reported (its queue, its cache, the KV it held for decode
+        # nodes) died with it; a new engine reports only once it steps, maybe never while idle
+        stats = self._stats
+        stats.running = stats.waiting = 0
+        stats.kv_cache_usage = 0.0
+        stats.kv.gauges = KVGauges()
+        try:
+            engine.shutdown()
+        except Exception as error:  # it is dead already; its processes are reaped with it
+            logger.warning("shutting down the dead engine of %s: %r", self._name, error)
+
+    async def step_records(self, seen: int = 0) -> dict[str, Any]:
+        """The engine's recent steps after the first `seen` (each [prompt tokens, prompt
+        sequences, decode tokens, decode sequences, context tokens, seconds]), with what a fit
+        needs to know: the model's shapes, the device and model keys, the chunk size."""
+        from dataclasses import asdict
+
+        total, records = self._collector.records_since(seen)
+        model = self._collector.model
+        return {
+            "steps_seen": total,
+            "records": records,
+            "device": self._stats.device,
+            "model": self._stats.model_key,
+            "role": self.ROLE,
+            "model_spec": asdict(model) if model else None,
+            "step_model": self._stats.step_model_source,
+            "max_num_batched_tokens": self._max_num_batched_tokens,
+            "max_num_seqs": self._stats.max_num_seqs,
+        }
+
+    async def stats(self) -> NodeStats:
+        stats = self._stats
+        if stats.requests_started_total == stats.requests_finished_total:
+            # vLLM reports the scheduler at each step, so an idle engine's last report still
+            # counts the request its final step finished: nothing is in flight here
+            stats.running = stats.waiting = 0
+        if self._gpu is not None:
+            self._gpu.sample(stats)
+        return stats
+
+    async def shutdown(self) -> None:
+        self._deltas.close()
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def create_engine_actor(
+    actor_class: type,
+    name: str,
+    model: str,
+    served_name: str,
+    engine: EngineConfig,
+    pool: PoolConfig,
+    replica: int,
+    kv_transfer: dict[str, Any] | None = None,
+    stream_host: str = "127.0.0.1",
+    stream_tls: dict[str, str] | None = None,
+    stream_secret: str | None = None,
+):
+    """Place one engine actor (`actor_class`: EngineActor or a role's subclass) with the pool's
+    Ray resources and restart budget; call `.start.remote()` next."""
+    env = engine_env(engine, pool, replica)
+    if pool.long_prefill_token_threshold is not None:
+        engine = engine.model_copy(
+            update={"long_prefill_token_threshold": pool.long_prefill_token_threshold}
+        )
+    peaks = {
+        "device": engine.device,
+        "flops": engine.peak_flops,
+        "mem_bandwidth": engine.peak_mem_bandwidth,
+        "threads": int(env["OMP_NUM_THREADS"]),
+    }
+    return (
+        ray.remote(actor_class)
+        .options(
+            name=name,
+            num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus,
+            resources=dict(pool.resources),
+            max_restarts=pool.max_restarts,
+            max_concurrency=1000,
+            runtime_env={"env_vars": env},
+        )
+        .remote(
+            name,
+            engine_kwargs(model, engine, served_name, kv_transfer),
+            peaks,
+            stream_host,
+            stream_tls,
+            stream_secret,
+        )
+    )

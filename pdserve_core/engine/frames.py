@@ -1,0 +1,120 @@
+"""The token plane's frames: data only, never code.
+
+A frame is a 4-byte big-endian length and a msgpack array of `[tag, kind, payload]` items: the
+router's tag for a stream, then
+- `DELTA`: a `TokenDelta`'s fields in declaration order;
+- `ENDED`: the node's stream ran out (payload nil);
+- `FAILED`: the exception that ended it, as `[class name, [arguments]]` — one of `ERRORS` (the
+  classes the router tells apart: a refusal is the client's 400, a dead engine a retry), any other
+  as a `RuntimeError` naming it.
+msgpack yields only numbers, strings, bytes, lists and maps: a frame that says anything else
+fails to decode, and nothing a peer sends is ever unpickled (docs/design.md, "Data, not code").
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import msgpack
+
+from pdserve_core.engine.types import EngineDown, KVLoadFailed, RequestRejected, TokenDelta
+
+END = None
+"""The item that ends a stream: the node's generator ran out."""
+DELTA, ENDED, FAILED = 0, 1, 2
+DELTA_FIELDS = tuple(f.name for f in fields(TokenDelta))
+ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        RequestRejected,
+        EngineDown,
+        KVLoadFailed,
+        ValueError,
+        TypeError,
+        TimeoutError,
+        RuntimeError,
+    )
+}
+"""The exceptions a stream's end arrives as (by name); a subclass crosses as the first of these
+it derives from (vLLM's validation errors are ValueErrors, as vLLM's server reads them)."""
+
+
+class FrameError(ValueError):
+    """A frame that is not what the token plane sends."""
+
+
+def _arguments(error: BaseException, cls: type[BaseException]) -> list[str]:
+    if cls is KVLoadFailed:
+        return [error.reason, error.detail]
+    if cls in (RequestRejected, EngineDown):
+        return [error.message]
+    return [str(error)]
+
+
+def carried(error: BaseException) -> type[BaseException] | None:
+    """The first of `ERRORS` the exception's class derives from (what it crosses as), if any."""
+    return next((c for c in type(error).__mro__ if ERRORS.get(c.__name__) is c), None)
+
+
+def describe(error: BaseException, where: str) -> list[Any]:
+    """`[class name, [arguments]]` of the exception a stream ended with."""
+    cls = carried(error)
+    if cls is None:
+        return ["RuntimeError", [f"{where} failed: {error!r}"]]
+    return [cls.__name__, _arguments(error, cls)]
+
+
+def rebuild(name: Any, arguments: Any) -> BaseException:
+    """The exception `describe` told: one of `ERRORS` with its arguments, else a RuntimeError."""
+    cls = ERRORS.get(name) if isinstance(name, str) else None
+    if cls is None or not isinstance(arguments, list):
+        return RuntimeError(f"the node's stream failed: {name!r} {arguments!r}"[:2000])
+    if not all(isinstance(a, str) for a in arguments):
+        return RuntimeError(f"{name}: {arguments!r}"[:2000])
+    try:
+        return cls(*arguments)
+    except TypeError:
+        return RuntimeError(f"{name}: {arguments!r}"[:2000])
+
+
+def encode(batch: list[tuple[int, Any]], where: str = "the node") -> bytes:
+    """One frame of (tag, `TokenDelta` | `END` | exception) items."""
+    items = []
+    for tag, item in batch:
+        if item is END:
+            items.append((tag, ENDED, None))
+        elif isinstance(item, BaseException):
+            items.append((tag, FAILED, describe(item, where)))
+        else:
+            items.append((tag, DELTA, [getattr(item, name) for name in DELTA_FIELDS]))
+    data = msgpack.packb(items, use_bin_type=True)
+    return len(data).to_bytes(4, "big") + data
+
+
+def decode(data: bytes) -> list[tuple[int, Any]]:
+    """A frame's (tag, item) pairs; `FrameError` for anything `encode` would not have made."""
+    try:
+        items = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as error:  # msgpack's own errors: ExtraData, FormatError, StackError, ...
+        raise FrameError(f"a frame that is not msgpack: {error!r}") from None
+    if not isinstance(items, list):
+        raise FrameError("a frame that is not a list of items")
+    out = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], int)):
+            raise FrameError("an item that is not [tag, kind, payload]")
+        tag, kind, payload = item
+        if kind == DELTA:
+            if not isinstance(payload, list) or len(payload) != len(DELTA_FIELDS):
+                raise FrameError("a delta without its fields")
+            out.append((tag, TokenDelta(*payload)))
+        elif kind == ENDED:
+            out.append((tag, END))
+        elif kind == FAILED:
+            if not isinstance(payload, list) or len(payload) != 2:
+                raise FrameError("a failure without [name, arguments]")
+            out.append((tag, rebuild(*payload)))
+        else:
+            raise FrameError(f"an item of unknown kind {kind!r}")
+    return out

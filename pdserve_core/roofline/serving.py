@@ -1,0 +1,50 @@
+"""The planner behind `serve`'s defaults: the chunk size for the device the engines run on."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from pdserve_core.roofline.model import recommended_chunk
+from pdserve_core.roofline.specs import DEVICES, model_from_hf_config
+
+logger = logging.getLogger(__name__)
+
+# Substrings of torch.cuda.get_device_name() → catalog names (most specific first).
+_CUDA_NAMES = (
+    ("H200", "h200"),
+    ("H100 PCIe", "h100-pcie"),
+    ("H100", "h100-sxm"),
+    ("A100", "a100-sxm-80gb"),
+    ("L40S", "l40s"),
+    ("B200", "b200"),
+)
+
+
+def detect_device() -> str | None:
+    """Catalog name of the local CUDA device, or None (no GPU, or one the catalog lacks)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        cuda_name = torch.cuda.get_device_name(0)
+    except Exception:  # torch missing or CUDA broken: no detection, no planner default
+        return None
+    return next((name for part, name in _CUDA_NAMES if part in cuda_name), None)
+
+
+def default_chunk_size(model_dir: Path, device: str | None, max_num_seqs: int) -> int | None:
+    """Planner's chunk size for `device` (detected when None); None keeps vLLM's own default."""
+    device = device or detect_device()
+    if device is None:
+        return None
+    if device not in DEVICES:
+        raise ValueError(
+            f"engine.device {device!r} is not in the planner's catalog: {list(DEVICES)}"
+        )
+    spec = model_from_hf_config(json.loads((model_dir / "config.json").read_text()), model_dir.name)
+    chunk = max(recommended_chunk(spec, DEVICES[device]), max_num_seqs)
+    logger.info("chunk size %d tokens from the roofline planner for %s", chunk, device)
+    return chunk

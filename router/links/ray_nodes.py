@@ -1,0 +1,140 @@
+"""`NodeClient` over Ray: a node is an engine actor; its streams come over the node's token
+stream (router/links/token_stream.py: a Ray call opens each, the deltas arrive on one TCP connection
+per node) or, with `router.token_stream: ray`, as Ray streaming calls.
+
+Ray reports a dead or restarting actor as `ActorDiedError` / `ActorUnavailableError` (within
+milliseconds of the process dying); both become `NodeFailed`, and so does `EngineDown` (the
+actor lives but its engine died). Other exceptions the node's own code raised (`KVLoadFailed`,
+`RequestRejected`) arrive as themselves. A stream closed before the node's generator ended is
+cancelled with `ray.cancel`: vLLM sees `CancelledError` and aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from pdserve_core.engine.legs import Leg
+from pdserve_core.engine.types import EngineDown, NodeInfo, NodeStats, TokenDelta
+from router.errors import NodeFailed
+from router.links.nodes import NodeClient
+from router.links.token_stream import CONNECT_S, TokenStream
+
+logger = logging.getLogger(__name__)
+
+NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+class RayNodeClient(NodeClient):
+    def __init__(
+        self,
+        handle: Any,
+        name: str = "",
+        direct: bool = True,
+        tls: ssl.SSLContext | None = None,
+        secret: str | bytes = "",
+    ) -> None:
+        self.handle = handle
+        self.name = name or str(handle)
+        self.secret = secret
+        """The cluster secret the token stream's handshake proves (the nodes were given it)."""
+        self.tls = tls
+        """Mutual TLS on the token stream (the KV plane's files); None: plain TCP."""
+        self.direct = direct
+        """Deltas over the node's token stream; False: over Ray streaming calls."""
+        self._tokens: TokenStream | None = None
+        self._connecting = asyncio.Lock()
+
+    async def stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
+        if not self.direct:
+            async for delta in self._ray_stream(leg):
+                yield delta
+            return
+        try:
+            tokens = await self._token_stream()
+
+            def call(key: bytes, tag: int) -> Any:
+                return self.handle.relay.remote(key, tag, leg)
+
+            async for delta in tokens.stream(call, ray.cancel):
+                yield delta
+        except NODE_FAILURES as error:
+            raise NodeFailed(type(error).__name__, died=isinstance(error, ActorDiedError)) from None
+        except EngineDown as error:
+            raise NodeFailed(error.message, died=True) from None
+
+    async def _token_stream(self) -> TokenStream:
+        """The open connection to the node's token stream, opened (again) when there is none."""
+        async with self._connecting:
+            if self._tokens is None or self._tokens.broken:
+                try:
+                    async with asyncio.timeout(CONNECT_S):
+                        host, port = await self.handle.delta_endpoint.remote()
+                except TimeoutError:
+                    raise NodeFailed(f"{self.name} did not say where its token stream is") from None
+                self._tokens = await TokenStream.connect(
+                    self.name, host, port, self.secret, self.tls
+                )
+            return self._tokens
+
+    async def _ray_stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
+        call = self.handle.stream.options(num_returns="streaming").remote(leg)
+        ended = False  # the node's generator ran out: nothing left there to cancel
+        try:
+            async for ref in call:
+                delta: TokenDelta = await ref
+                yield delta
+            ended = True
+        except NODE_FAILURES as error:
+            raise NodeFailed(type(error).__name__, died=isinstance(error, ActorDiedError)) from None
+        except EngineDown as error:
+            raise NodeFailed(error.message, died=True) from None
+        finally:
+            # a delta with a finish reason is not the end: with n > 1 the other sequences
+            # still run there, and a caller leaving now must stop them too
+            if not ended:
+                ray.cancel(call)
+                logger.info("%s leg %s cancelled on the node", leg.KIND, leg.request_id)
+
+    async def start(self) -> NodeInfo:
+        return await self._call("start")
+
+    async def check_health(self) -> bool:
+        return await self._call("check_health")
+
+    async def stats(self) -> NodeStats:
+        return await self._call("stats")
+
+    async def give_back(self, handle: dict[str, Any]) -> bool:
+        return await self._call("give_back", handle)
+
+    async def end_follow(self, key: str) -> bool:
+        return await self._call("end_follow", key)
+
+    async def prefetch(
+        self, key: str, host: str, ports: tuple[int, ...], num_tokens: int, block_size: int
+    ) -> bool:
+        return await self._call("prefetch", key, host, list(ports), num_tokens, block_size)
+
+    async def drop_engine(self) -> None:
+        await self._call("drop_engine")
+
+    async def shutdown(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
+        await self._call("shutdown")
+
+    async def step_records(self, seen: int = 0) -> dict[str, Any]:
+        return await self._call("step_records", seen)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except NODE_FAILURES as error:
+            raise NodeFailed(type(error).__name__) from None
