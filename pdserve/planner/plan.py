@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 
@@ -115,6 +116,69 @@ def decode_batch_at_rate(rate: float, output: int, step_s, limit: int = 4096) ->
     return batch
 
 
+@dataclass(frozen=True)
+class _Costs:
+    """What a plan's estimates are drawn from: the roofline at peak, or a calibration's fitted
+    step-time model."""
+
+    chunk: int
+    ttft_s: float
+    tpot_s: float
+    pools: rf.PoolPlan
+    decode_step_s: Callable[[int, int], float]
+    """Seconds of one decode step at (batch, context)."""
+    calibrated: dict | None = None
+    """The calibration's record for the plan (None: the roofline)."""
+
+
+def _roofline_costs(m: ModelSpec, device: DeviceSpec, w: Workload) -> _Costs:
+    return _Costs(
+        chunk=rf.recommended_chunk(m, device),
+        ttft_s=rf.prefill_seconds(m, device, w.batch, w.prompt_len),
+        tpot_s=rf.decode_step_seconds(m, device, w.batch, w.prompt_len + w.output_len // 2),
+        pools=rf.plan_pools(m, device, w.prompt_len, w.output_len, w.rate, w.tpot_slo_s),
+        decode_step_s=lambda batch, ctx: rf.decode_step_seconds(m, device, batch, ctx),
+    )
+
+
+def _calibrated_costs(
+    m: ModelSpec, device: DeviceSpec, w: Workload, calibration: Calibration
+) -> _Costs:
+    step = calibration.for_role("prefill")
+    decode_step = calibration.for_role("decode")
+    engine_chunk = int(calibration.engine.get("max_num_batched_tokens") or 2048)
+    first_s = float(calibration.engine.get("request_overhead_s") or 0.0)
+
+    def decode_step_s(batch: int, ctx: int) -> float:
+        return decode_step.decode_step_seconds(m, batch, ctx)
+
+    return _Costs(
+        chunk=calibrated_chunk(step, m),
+        ttft_s=first_s + calibrated_prefill(step, m, w.batch, w.prompt_len, engine_chunk),
+        tpot_s=decode_step_s(w.batch, w.prompt_len + w.output_len // 2),
+        pools=rf.plan_pools(
+            m,
+            device,
+            w.prompt_len,
+            w.output_len,
+            w.rate,
+            w.tpot_slo_s,
+            prefill_s=lambda length: calibrated_prefill(step, m, 1, length, engine_chunk),
+            decode_s=decode_step_s,
+        ),
+        decode_step_s=decode_step_s,
+        calibrated={
+            "path": str(calibration.path) if calibration.path else None,
+            "device": calibration.device,
+            "step_model": calibration.step_model.to_dict(),
+            "roles": {role: s.to_dict() for role, s in (calibration.roles or {}).items()},
+            "fit": calibration.fit,
+            "engine_chunk_tokens": engine_chunk,
+            "request_overhead_s": first_s,
+        },
+    )
+
+
 def build_plan(
     m: ModelSpec, device: DeviceSpec, w: Workload, calibration: Calibration | None = None
 ) -> dict:
@@ -125,44 +189,19 @@ def build_plan(
     free = rf.kv_capacity_bytes(m, device)
     needed = w.batch * w.kv_context * kv_token
     largest = rf.max_batch(m, device, w.kv_context)
-    chunk = rf.recommended_chunk(m, device)
-    ttft = rf.prefill_seconds(m, device, w.batch, w.prompt_len)
-    tpot = rf.decode_step_seconds(m, device, w.batch, w.prompt_len + w.output_len // 2)
     transfer = rf.kv_transfer_seconds(m, device, w.prompt_len)
-    pools = rf.plan_pools(m, device, w.prompt_len, w.output_len, w.rate, w.tpot_slo_s)
-    calibrated = None
-    if calibration is not None:
-        step = calibration.for_role("prefill")
-        decode_step = calibration.for_role("decode")
-        engine_chunk = int(calibration.engine.get("max_num_batched_tokens") or 2048)
-        first_s = float(calibration.engine.get("request_overhead_s") or 0.0)
-        chunk = calibrated_chunk(step, m)
-        ttft = first_s + calibrated_prefill(step, m, w.batch, w.prompt_len, engine_chunk)
-        tpot = decode_step.decode_step_seconds(m, w.batch, w.prompt_len + w.output_len // 2)
-        pools = rf.plan_pools(
-            m,
-            device,
-            w.prompt_len,
-            w.output_len,
-            w.rate,
-            w.tpot_slo_s,
-            prefill_s=lambda length: calibrated_prefill(step, m, 1, length, engine_chunk),
-            decode_s=lambda batch, ctx: decode_step.decode_step_seconds(m, batch, ctx),
-        )
-        calibrated = {
-            "path": str(calibration.path) if calibration.path else None,
-            "device": calibration.device,
-            "step_model": calibration.step_model.to_dict(),
-            "roles": {role: s.to_dict() for role, s in (calibration.roles or {}).items()},
-            "fit": calibration.fit,
-            "engine_chunk_tokens": engine_chunk,
-            "request_overhead_s": first_s,
-        }
+    costs = (
+        _roofline_costs(m, device, w)
+        if calibration is None
+        else _calibrated_costs(m, device, w, calibration)
+    )
+    chunk, ttft, tpot = costs.chunk, costs.ttft_s, costs.tpot_s
+    pools, calibrated = costs.pools, costs.calibrated
     mid = w.prompt_len + w.output_len // 2
-    if calibration is not None:
-        at_rate = lambda b: decode_step.decode_step_seconds(m, b, mid)  # noqa: E731
-    else:
-        at_rate = lambda b: rf.decode_step_seconds(m, device, b, mid)  # noqa: E731
+
+    def at_rate(batch: int) -> float:
+        return costs.decode_step_s(batch, mid)
+
     # each of the plan's decode devices takes its share of the rate
     per_device = w.rate / max(1, pools.decode_devices)
     batch_at_rate = decode_batch_at_rate(per_device, w.output_len, at_rate, max(1, largest))
