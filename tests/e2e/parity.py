@@ -185,6 +185,17 @@ WIDE = (
     "日本の首都はどこですか？日本語で答えてください。",
     "한국의 수도는 어디입니까? 한국어로 대답하세요.",
     "Write the word café and then naïve with combining accents: cafe\u0301",
+    "Answer with emojis only: what is the weather like today? ☀️",
+    "Translate to Chinese: good morning, my friend.",
+    "用中文写一句关于春天的话。",
+    "请列出三种水果的中文名字。",
+    "東京タワーについて一文で説明してください。",
+    "ひらがなで「ありがとう」と書いてください。",
+    "김치는 무엇입니까? 한 문장으로 답하세요.",
+    "Describe a party using only emojis: 🎂🎈",
+    "Write 'hello' in Russian, Greek and Hindi: привет,",
+    "Finish with a flag emoji: the country I visited was 🇯🇵",
+    "Say thank you in Arabic and Hebrew: شكرا",
 )
 """Prompts whose answers (or whose prompts' ends) hold characters of several byte-level tokens:
 the first token the prefill node samples may end halfway through one."""

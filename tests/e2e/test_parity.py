@@ -22,8 +22,18 @@ CONFIG = {
     "colocated": {"mode": "colocated"},
     # every prompt across the seam (the adaptive default would keep short ones on one engine)
     "disaggregated": {"mode": "disaggregated", "router": {"placement": {"mode": "remote"}}},
+    "default": {"mode": "disaggregated"},
 }
-FLAGS = (*parity.TOOL_FLAGS, "--chat-template", str(parity.TOOLS_TEMPLATE))
+VLLM_TESTED = ("vllm", "disaggregated", "default")
+"""The servers vLLM's own entrypoint tests run against (scripts/vllm_entrypoint_tests.py):
+plain vLLM, pdserve with every prompt across the seam, and pdserve's default 1P1D (adaptive
+placement), which serves nothing of the parity cases."""
+FLAGS = (
+    *parity.TOOL_FLAGS,
+    "--enable-tokenizer-info-endpoint",
+    "--chat-template",
+    str(parity.TOOLS_TEMPLATE),
+)
 """The front-end flags all three servers get, as a user's `vllm serve` line would carry them."""
 
 
@@ -90,15 +100,34 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
     cases = parity.cases(corpus_ids, FULL)
     seen: dict[str, dict[str, dict]] = {}
     derived: list[parity.Case] = []
-    for system in SYSTEMS:
+    for system in (*SYSTEMS, *(s for s in VLLM_TESTED if s not in SYSTEMS)):
         work = tmp_path_factory.mktemp(f"parity-{system}")
         with _serve(system, default_model_dir, work) as url:
-            seen[system] = {case.name: parity.send(url, case) for case in cases}
-            if system == "vllm":
-                derived = parity.derived(seen["vllm"]["greedy"])
-            seen[system].update({case.name: parity.send(url, case) for case in derived})
-            seen[system]["refusals"] = _refusals(url)
+            seen[system] = {}
+            if system in SYSTEMS:
+                seen[system] = {case.name: parity.send(url, case) for case in cases}
+                if system == "vllm":
+                    derived = parity.derived(seen["vllm"]["greedy"])
+                seen[system].update({case.name: parity.send(url, case) for case in derived})
+                seen[system]["refusals"] = _refusals(url)
+            if system in VLLM_TESTED:
+                seen[system]["vllm-tests"] = vllm_tests().run(
+                    url, "SmolLM2-135M-Instruct", str(default_model_dir)
+                )
     return seen
+
+
+def vllm_tests():
+    """scripts/vllm_entrypoint_tests.py, loaded as a module."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    path = REPO / "scripts" / "vllm_entrypoint_tests.py"
+    spec = importlib.util.spec_from_file_location("vllm_entrypoint_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +169,20 @@ def test_same_answer_as_plain_vllm(answers, system, name):
         expected, got = _without_cache_hits(expected), _without_cache_hits(got)
     problems = parity.differences(expected, got, name)
     assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize("system", ["disaggregated", "default"])
+def test_vllms_own_tests_pass_on_pdserve_wherever_they_pass_on_vllm(answers, system):
+    """vLLM 0.32's OpenAI entrypoint tests (scripts/vllm_entrypoint_tests.py) against plain vLLM
+    and pdserve with the same flags: none that passes on vLLM fails on pdserve, but for the
+    differences pdserve makes on purpose (`EXPECTED`, each with its reason)."""
+    suite = vllm_tests()
+    theirs, ours = answers["vllm"]["vllm-tests"], answers[system]["vllm-tests"]
+    print(f"vLLM's tests: vllm {suite.counts(theirs)}, pdserve {system} {suite.counts(ours)}")
+    assert suite.counts(theirs)["passed"] >= 60, suite.counts(theirs)  # they reached the server
+    assert set(ours) == set(theirs)  # the same tests ran on both
+    regressed = suite.regressions(theirs, ours)
+    assert not regressed, f"pass on vllm serve, fail on pdserve {system}: {regressed}"
 
 
 def test_the_cases_exercise_what_they_claim(answers):

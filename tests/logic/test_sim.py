@@ -420,7 +420,8 @@ def test_simulate_reads_the_served_config_and_its_flags_override_it(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(
         "router:\n  policy: round_robin\n  node_silence_s: 9\n  placement: {mode: threshold}\n"
-        "pools:\n  decode: {replicas: 2}\n  autoscale: {enabled: true, interval_s: 7, min_decode: 2}\n"
+        "pools:\n  decode: {replicas: 2}\n"
+        "  autoscale: {enabled: true, interval_s: 7, min_decode: 2}\n"
     )
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
