@@ -160,20 +160,12 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
     if scaler is not None:
         scaler.start()
     router = config.router
-    host, key, limit = router.host, router.api_key, router.max_request_bytes
+    host = router.host
     tls = router.tls.files() if router.tls else None
     model_dir, served = model
     app = await serve_app(service, config, str(model_dir), served)
     grpc_server, grpc_port, grpc_health = await create_server(
-        service,
-        Renderer(app.state),
-        f"{host}:{router.grpc_port}",
-        key,
-        limit,
-        router.max_connections,
-        tls,
-        router.max_connections_per_client,
-        router.enable_prompt_tokens_details,
+        service, Renderer(app.state), f"{host}:{router.grpc_port}", router, tls
     )
     health_task = asyncio.create_task(follow_pools(grpc_health, service.dispatcher))
     http = _Server(

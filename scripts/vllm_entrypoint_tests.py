@@ -224,10 +224,16 @@ timeout = 90
 """
 
 
-def _download(path: Path) -> None:
+def _download(path: Path, attempts: int = 3) -> None:
     part = path.with_suffix(".part")
-    with urllib.request.urlopen(SDIST, timeout=120) as answer, part.open("wb") as out:
-        shutil.copyfileobj(answer, out)
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(SDIST, timeout=120) as answer, part.open("wb") as out:
+                shutil.copyfileobj(answer, out)
+            break
+        except OSError as error:  # a dropped connection: the registry is usually back at once
+            if attempt == attempts:
+                raise RuntimeError(f"{SDIST}: {error} ({attempts} attempts)") from None
     digest = hashlib.sha256(part.read_bytes()).hexdigest()
     if digest != SHA256:
         part.unlink()

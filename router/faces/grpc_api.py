@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve_core.config import RouterConfig
 from pdserve_core.engine.types import TokenDelta
 from pdserve_core.tls import ServerFiles, read_bytes
 from pdserve_proto.v1 import generate_pb2 as pb
@@ -229,20 +230,21 @@ async def create_server(
     service: RouterService,
     render: Render,
     address: str,
-    api_key: str | None = None,
-    max_request_bytes: int = 4 << 20,
-    max_calls: int = 4096,
+    router: RouterConfig,
     tls: ServerFiles | None = None,
-    per_client: int | None = None,
-    cached_tokens: bool = False,
 ) -> tuple[grpc.aio.Server, int, Any]:
-    """Build and start the gRPC server; returns (server, bound port, health servicer).
-    `cached_tokens`: report cached prompt tokens in usage."""
+    """Build and start the gRPC server with the `router` section's key, bounds and usage
+    reporting; returns (server, bound port, health servicer)."""
+    max_calls = router.max_connections
     server = grpc.aio.server(
-        options=grpc_options(max_request_bytes), maximum_concurrent_rpcs=max_calls
+        options=grpc_options(router.max_request_bytes), maximum_concurrent_rpcs=max_calls
     )
     generation = GenerationService(
-        service, render, api_key, PerClient(per_client or max_calls), cached_tokens
+        service,
+        render,
+        router.api_key,
+        PerClient(router.max_connections_per_client),
+        router.enable_prompt_tokens_details,
     )
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     health_servicer = health.aio.HealthServicer()

@@ -40,8 +40,6 @@ def _error_response(error: RequestError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.http_status, headers=_headers(error))
 
 
-BODY_TIMEOUT_S = 30.0
-"""Default for `router.body_timeout_s`."""
 NODE_ANSWER_S = 10.0
 """How long an admin endpoint that asks every node waits for them (all at once): a node that
 has not answered by then is named in the reply, not waited on."""

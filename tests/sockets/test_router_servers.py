@@ -12,6 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from pdserve_core.config import RouterConfig
 from pdserve_core.engine.types import CACHE_SALT_ARG
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
@@ -74,7 +75,7 @@ async def router(default_model_dir):
         await asyncio.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     grpc_server, grpc_port, health = await create_server(
-        service, Renderer(app.state), "127.0.0.1:0", KEY
+        service, Renderer(app.state), "127.0.0.1:0", RouterConfig(api_key=KEY)
     )
     url = f"http://127.0.0.1:{port}"
 
@@ -452,7 +453,7 @@ async def test_both_faces_speak_mutual_tls_when_configured(router, tmp_path):
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, 64, 5, "error", tls))
     task = asyncio.create_task(server.serve())
     grpc_server, grpc_port, _ = await create_server(
-        router.service, Renderer(router.app.state), "127.0.0.1:0", KEY, tls=tls
+        router.service, Renderer(router.app.state), "127.0.0.1:0", RouterConfig(api_key=KEY), tls
     )
     try:
         deadline = time.monotonic() + 30
@@ -527,7 +528,10 @@ async def test_one_client_address_holds_only_its_share(router):
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, 64, 5, "error", per_client=2))
     task = asyncio.create_task(server.serve())
     grpc_server, grpc_port, _ = await create_server(
-        router.service, Renderer(router.app.state), "127.0.0.1:0", KEY, per_client=1
+        router.service,
+        Renderer(router.app.state),
+        "127.0.0.1:0",
+        RouterConfig(api_key=KEY, max_connections_per_client=1),
     )
     try:
         deadline = time.monotonic() + 30
@@ -619,7 +623,10 @@ async def test_grpc_reports_cached_tokens_only_where_the_setting_says(router):
     reported = {}
     for setting in (False, True):
         server, port, _ = await create_server(
-            router.service, Renderer(router.app.state), "127.0.0.1:0", KEY, cached_tokens=setting
+            router.service,
+            Renderer(router.app.state),
+            "127.0.0.1:0",
+            RouterConfig(api_key=KEY, enable_prompt_tokens_details=setting),
         )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
