@@ -288,7 +288,13 @@ def run(
     command = [sys.executable, "-m", "pytest", *(f"tests/{m}" for m in modules)]
     command += [f"--deselect=tests/{test_id}" for test_id in DESELECTED]
     command += [f"--junitxml={report}", "-o", "junit_family=xunit1"]
-    subprocess.run(command, cwd=tree, env=env, timeout=timeout_s, capture_output=True)
+    done = subprocess.run(
+        command, cwd=tree, env=env, timeout=timeout_s, capture_output=True, text=True
+    )
+    if not report.is_file():  # pytest did not get as far as running tests
+        raise RuntimeError(
+            f"vLLM's tests did not run (exit {done.returncode}):\n{done.stdout[-2000:]}"
+        )
     try:
         return outcomes(report)
     finally:

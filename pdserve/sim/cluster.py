@@ -47,7 +47,6 @@ from router import build, clock
 from router.decides.autoscale import Decision
 from router.decides.routing import Route
 from router.links.nodes import Node, NodeClient
-from router.membership import CHECK_INTERVAL_S
 from router.request import PreparedRequest
 
 DEADLINE_S = 1e9
@@ -331,7 +330,7 @@ class Simulator:
         self.dispatcher = build.dispatcher(topology.config, members, self)
         watches = build.memberships(topology.config, self.dispatcher)
         for watch in watches:
-            watch.start(CHECK_INTERVAL_S)
+            watch.start()
         scaler = build.scaler(topology.config, self.dispatcher, self._moved)
         if scaler is not None:
             scaler.start()

@@ -8,6 +8,7 @@ variants; CI runs the short list.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import httpx
@@ -117,8 +118,9 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
     return seen
 
 
+@functools.cache
 def vllm_tests():
-    """scripts/vllm_entrypoint_tests.py, loaded as a module."""
+    """scripts/vllm_entrypoint_tests.py, loaded as a module (once)."""
     import importlib.util
 
     from tests.conftest import REPO
