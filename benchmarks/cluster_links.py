@@ -13,6 +13,7 @@ float32's KV is twice the bytes, which is what the link has to carry.
    longest pause of the streams (the resume) and the time until the host rejoins once its cable
    is back are recorded.
     python benchmarks/cluster_links.py [--rate 1gbit] [--per-length 3] [--cuts 4]
+        [--transport tcp|nixl] [--prefetch-mib N]
 Prints the figures and writes results/cluster_links.json.
 """
 
@@ -111,10 +112,18 @@ def main() -> None:
     parser.add_argument(
         "--prefetch-mib", type=int, help="kv_transfer.prefetch_mib (0: KV crosses after prefill)"
     )
+    parser.add_argument(
+        "--transport",
+        default="tcp",
+        choices=["tcp", "nixl"],
+        help="kv_transfer.transport (nixl: UCX over TCP, so the KV crosses the shaped link)",
+    )
     parser.add_argument("--out", default=str(REPO / "results/cluster_links.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pdserve-cluster-links-") as work:
         kv = {} if args.prefetch_mib is None else {"prefetch_mib": args.prefetch_mib}
+        if args.transport == "nixl":
+            kv |= {"transport": "nixl", "ucx": {"TLS": "tcp"}}
         cluster = bring_up(Path(work), dtype=args.dtype, kv=kv)
         try:
             gaps(cluster, [64], 2, seed=0)  # warm-up
@@ -122,7 +131,8 @@ def main() -> None:
             cluster.hosts.shape("prefill", args.rate)
             shaped = gaps(cluster, args.lengths, args.per_length, seed=2)
             cluster.hosts.shape("prefill", None)
-            found = {"rate": args.rate, "dtype": args.dtype, "prefetch_mib": args.prefetch_mib}
+            found = {"rate": args.rate, "dtype": args.dtype, "prefetch_mib": args.prefetch_mib,
+                     "transport": args.transport}  # fmt: skip
             found |= {"gap_unshaped_s": unshaped, "gap_shaped_s": shaped}
             found["prefetches"] = {outcome: total(cluster, "pdserve_kv_prefetches_total",
                                                   outcome=outcome)

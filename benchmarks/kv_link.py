@@ -4,7 +4,8 @@ Two emulated hosts (network namespaces, `pdserve hosts`; root): a prefill-like p
 with a KV server over SmolLM2-135M-shaped CPU caches (30 layers, 96 KiB per block per layer,
 bf16), a consumer on the other pulling whole requests' blocks. The producer host's link is
 shaped with tc htb (both ways) to each rate in turn; each figure is the median of --repeats
-pulls (connect, authentication, handshake and lease included), per transport (tcp, gloo).
+pulls (connect, authentication, handshake and lease included), per transport (tcp, gloo, nixl
+over UCX's TCP transport).
 Prints a table and writes results/kv_link.json:
     python benchmarks/kv_link.py [--rates 1gbit 10gbit] [--mib 64] [--repeats 5]
 """
@@ -39,6 +40,7 @@ def _plane(transport: str, blocks: int, fill: bool):
     import torch
 
     from pdserve_core.kv.layout import describe
+    from pdserve_core.kv.settings import ConnectorSettings
     from pdserve_core.kv.transport import plane_class
 
     shape = (blocks, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
@@ -47,7 +49,10 @@ def _plane(transport: str, blocks: int, fill: bool):
         for i in range(LAYERS)
     }
     layout = describe(kv, "bench", BLOCK_SIZE, HEADS, HEAD_DIM, 0, 1, transport)
-    return plane_class(transport)(layout, kv)
+    # nixl: UCX over TCP, so the bytes cross the shaped link (on one machine UCX would otherwise
+    # read the other namespace's memory directly)
+    settings = ConnectorSettings(ucx={"TLS": "tcp"})
+    return plane_class(transport).from_settings(layout, kv, settings)
 
 
 def producer(transport: str, host: str, blocks: str, pulls: str) -> None:
@@ -108,7 +113,7 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     parser.add_argument("--mib", type=int, default=64, help="payload per pull")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--transports", nargs="+", default=["tcp", "gloo"])
+    parser.add_argument("--transports", nargs="+", default=["tcp", "gloo", "nixl"])
     parser.add_argument("--out", default=str(REPO / "results/kv_link.json"))
     args = parser.parse_args()
 

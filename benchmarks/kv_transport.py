@@ -5,9 +5,11 @@ For each payload size: (a) raw TCP, the ceiling: connect, one sendall of a buffe
 recv_into of a preallocated buffer, same socket buffer sizes; (b) pdserve's TCP transport: a full
 pull (connect, mutual HMAC authentication, layout handshake, signed lease, control messages) of
 that many bytes of KV blocks laid out like SmolLM2-135M's CPU cache (30 layers, 96 KiB per
-block per layer), with scattered block ids so every block of every layer is its own run.
+block per layer), with scattered block ids so every block of every layer is its own run;
+(c) pdserve's NIXL transport: the same pull, the blocks READ by NIXL's UCX backend out of the
+sender's registered cache (UCX picks its transports unless --ucx-tls says, e.g. `tcp`).
 Each figure is the median of --repeats transfers. Prints a table and writes a JSON file:
-    python benchmarks/kv_transport.py [--sizes-mib 16 64 256] [--repeats 9]
+    python benchmarks/kv_transport.py [--sizes-mib 16 64 256] [--repeats 9] [--ucx-tls tcp]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import platform
 import random
 import socket
@@ -26,6 +29,7 @@ from pathlib import Path
 LAYERS, HEADS, BLOCK_SIZE, HEAD_DIM = 30, 3, 128, 64
 BLOCK_BYTES = HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2  # bf16
 SECRET = b"bench-secret"
+TRANSPORTS = ("tcp", "nixl")
 
 
 def caches(num_blocks: int, fill: bool):
@@ -39,24 +43,28 @@ def caches(num_blocks: int, fill: bool):
     return {f"layer.{i}": torch.empty(shape, dtype=torch.bfloat16).fill_(1) for i in range(LAYERS)}
 
 
-def layout_of(kv):
+def plane(kv, transport: str):
     from pdserve_core.kv.layout import describe
+    from pdserve_core.kv.transport import plane_class
 
-    return describe(kv, "bench", BLOCK_SIZE, HEADS, HEAD_DIM, 0, 1, "tcp")
+    layout = describe(kv, "bench", BLOCK_SIZE, HEADS, HEAD_DIM, 0, 1, transport)
+    return plane_class(transport)(layout, kv)
 
 
 def serve(max_blocks: int, ports, stop) -> None:
-    """Child process: a raw sender and a pdserve KV server over the same cache memory."""
+    """Child process: a raw sender and pdserve KV servers (tcp, nixl) over the same cache."""
     import threading
 
     from pdserve_core.kv.stats import TransferStats
-    from pdserve_core.kv.transport.tcp import TcpPlane, _tune
+    from pdserve_core.kv.transport.tcp import _tune
     from prefill_node.kv_server import KVServer
     from prefill_node.leases import ProducerTable
 
     kv = caches(max_blocks, fill=True)
-    server = KVServer(TcpPlane(layout_of(kv), kv), ProducerTable(), lambda: SECRET, TransferStats())
-    kv_port = server.start()
+    kv_ports = {}
+    for transport in TRANSPORTS:
+        server = KVServer(plane(kv, transport), ProducerTable(), lambda: SECRET, TransferStats())
+        kv_ports[transport] = server.start()
     payload = bytearray(b"\x01" * (max_blocks * BLOCK_BYTES * LAYERS))
     raw = socket.create_server(("127.0.0.1", 0))
 
@@ -70,7 +78,7 @@ def serve(max_blocks: int, ports, stop) -> None:
                 conn.recv(1)
 
     threading.Thread(target=raw_loop, daemon=True).start()
-    ports.put((raw.getsockname()[1], kv_port))
+    ports.put((raw.getsockname()[1], kv_ports))
     stop.wait()
 
 
@@ -88,7 +96,7 @@ def raw_transfer(port: int, nbytes: int, target: memoryview) -> float:
     return elapsed
 
 
-def pdserve_pull(client, port: int, num_blocks: int, max_blocks: int, rng) -> float:
+def pdserve_pull(client, port: int, num_blocks: int, max_blocks: int, rng, transport) -> float:
     from pdserve_core.kv.handle import KVHandle
     from pdserve_core.kv.wire import lease_token
 
@@ -103,7 +111,7 @@ def pdserve_pull(client, port: int, num_blocks: int, max_blocks: int, rng) -> fl
         num_blocks * BLOCK_SIZE,
         deadline,
         "bench",
-        "tcp",
+        transport,
         lease_token(SECRET, "", rid, remote, deadline, 1),
     )
     started = time.perf_counter()
@@ -116,10 +124,12 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default="results/kv_transport.json")
+    parser.add_argument("--ucx-tls", help="UCX_TLS for the nixl transport (default: UCX picks)")
     args = parser.parse_args()
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls  # before either side starts UCX (the child inherits)
 
     from decode_node.kv_client import KVClient
-    from pdserve_core.kv.transport.tcp import TcpPlane
 
     sizes = {mib: -(-mib * 2**20 // (BLOCK_BYTES * LAYERS)) for mib in args.sizes_mib}
     max_blocks = max(sizes.values())
@@ -127,32 +137,38 @@ def main() -> None:
     ports, stop = ctx.Queue(), ctx.Event()
     server = ctx.Process(target=serve, args=(max_blocks, ports, stop), daemon=True)
     server.start()
-    raw_port, kv_port = ports.get(timeout=120)
+    raw_port, kv_ports = ports.get(timeout=120)
     local = caches(max_blocks, fill=False)
-    client = KVClient(TcpPlane(layout_of(local), local), lambda: SECRET)
+    clients = {t: KVClient(plane(local, t), lambda: SECRET) for t in TRANSPORTS}
     target = memoryview(bytearray(b"\x01" * (max_blocks * BLOCK_BYTES * LAYERS)))
     rng = random.Random(0)
     rows = []
-    print(f"{'payload':>9} {'raw GB/s':>9} {'pdserve GB/s':>13} {'ratio':>6}")
+    heads = ("payload", 9), ("raw GB/s", 9), ("tcp GB/s", 9), ("ratio", 6), ("nixl GB/s", 10)
+    print(" ".join(f"{name:>{width}}" for name, width in heads), f"{'ratio':>6}")
     try:
         for num_blocks in sizes.values():
             nbytes = num_blocks * BLOCK_BYTES * LAYERS
-            raw, ours = [], []
-            for _ in range(args.repeats):  # interleaved, so both see the same machine load
+            raw, ours = [], {t: [] for t in TRANSPORTS}
+            for _ in range(args.repeats):  # interleaved, so all see the same machine load
                 raw.append(raw_transfer(raw_port, nbytes, target))
-                ours.append(pdserve_pull(client, kv_port, num_blocks, max_blocks, rng))
+                for t in TRANSPORTS:
+                    ours[t].append(
+                        pdserve_pull(clients[t], kv_ports[t], num_blocks, max_blocks, rng, t)
+                    )
             row = {
                 "payload_bytes": nbytes,
                 "blocks": num_blocks,
                 "runs_per_pull": num_blocks * LAYERS,
                 "raw_gbps": nbytes / statistics.median(raw) / 1e9,
-                "pdserve_tcp_gbps": nbytes / statistics.median(ours) / 1e9,
             }
-            row["ratio"] = row["pdserve_tcp_gbps"] / row["raw_gbps"]
+            for t in TRANSPORTS:
+                row[f"pdserve_{t}_gbps"] = nbytes / statistics.median(ours[t]) / 1e9
+                row[f"{t}_ratio"] = row[f"pdserve_{t}_gbps"] / row["raw_gbps"]
             rows.append(row)
             print(
                 f"{nbytes / 2**20:>6.0f} MiB {row['raw_gbps']:>9.2f} "
-                f"{row['pdserve_tcp_gbps']:>13.2f} {row['ratio']:>6.2f}"
+                f"{row['pdserve_tcp_gbps']:>9.2f} {row['tcp_ratio']:>6.2f} "
+                f"{row['pdserve_nixl_gbps']:>10.2f} {row['nixl_ratio']:>6.2f}"
             )
     finally:
         stop.set()
@@ -163,6 +179,7 @@ def main() -> None:
         json.dumps(
             {
                 "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, loopback",
+                "ucx_tls": args.ucx_tls or "UCX's choice",
                 "repeats": args.repeats,
                 "statistic": "median",
                 "rows": rows,

@@ -26,7 +26,7 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.serve import run
-    from pdserve_core.config import ConfigError, load_config
+    from pdserve_core.config import ConfigError, load_config, with_settings
 
     try:
         config = load_config(args.config)
@@ -65,6 +65,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from pdserve_core.config import parse_config
 
             config = parse_config({**config.model_dump(), **overrides}, "(command line)")
+        config = with_settings(config, args.set)
     except ConfigError as error:
         print(f"pdserve serve: {error}", file=sys.stderr)
         return 2
@@ -386,6 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--ready-file", help='write {"http": URL, "grpc": HOST:PORT} here once serving'
+    )
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any config field by its dotted path, after --config and the flags above; the "
+        "value is YAML (e.g. --set kv_transfer.transport=nixl --set 'kv_transfer.ucx={TLS: "
+        "tcp}' --set pools.decode.replicas=2); repeatable",
     )
     serve.set_defaults(func=_cmd_serve)
     _add_plan_parser(commands)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pdserve_core.kv.settings import DEFAULTS as KV_DEFAULTS
 from pdserve_core.kv.settings import TRANSPORTS as KV_TRANSPORTS
+from pdserve_core.kv.settings import UCX_NAME as KV_UCX_NAME
 from pdserve_core.kv.settings import ConnectorSettings
 from pdserve_core.tls import ServerFiles, server_context
 
@@ -388,8 +389,15 @@ class KVTransferConfig(_Strict):
     (pdserve_core/kv/settings.py)."""
 
     transport: Literal[KV_TRANSPORTS] = KV_DEFAULTS.transport  # type: ignore[valid-type]
-    """Data plane for KV blocks: `tcp` (sockets, any host), `nccl` (GPU to GPU), or `gloo` (the
-    NCCL plane's pairing and ordering on torch.distributed's gloo, between CPU engines)."""
+    """Data plane for KV blocks: `tcp` (sockets, any host), `nccl` (GPU to GPU), `gloo` (the
+    NCCL plane's pairing and ordering on torch.distributed's gloo, between CPU engines), or
+    `nixl` (the decode engine READs the blocks from the prefill engine's cache with NIXL over
+    UCX: RDMA, NVLink, shared memory or TCP, whichever UCX finds; docs/kv.md says which to pick)."""
+    ucx: dict[str, str] = Field(default_factory=dict)
+    """The `nixl` plane's UCX settings, by variable name without the `UCX_` prefix, set in every
+    engine's environment: e.g. {"TLS": "rc,cuda_copy,cuda_ipc", "NET_DEVICES": "mlx5_0:1"} on an
+    InfiniBand cluster, {"TLS": "tcp"} to keep KV on TCP. Empty: UCX picks (pdserve only sets
+    256 KiB TCP segments, unless the environment sets them)."""
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = KV_DEFAULTS.host
@@ -416,6 +424,14 @@ class KVTransferConfig(_Strict):
     prefill layer by layer, and the hand-over then costs a local copy instead of the whole
     transfer (the `tcp` plane). 0: the KV crosses after the prefill."""
 
+    @field_validator("ucx")
+    @classmethod
+    def _ucx_names(cls, ucx: dict[str, str]) -> dict[str, str]:
+        for name in ucx:
+            if not KV_UCX_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a UCX variable name (e.g. TLS, NET_DEVICES)")
+        return ucx
+
     tls: KVTLSConfig | None = None
     """Mutual TLS on the `tcp` plane's connections (and the control connection of `nccl` and
     `gloo`), and on every node's token stream to the router. None: plain TCP — each peer proves
@@ -441,6 +457,7 @@ class KVTransferConfig(_Strict):
             timeout_s=self.timeout_s,
             load=self.load,
             prefetch_mib=self.prefetch_mib,
+            ucx=dict(self.ucx) or None,
             secret=secret,
             peer_hosts=peer_hosts,
             tls_cert_file=self.tls.cert_file if self.tls else None,
@@ -513,6 +530,29 @@ def parse_config(data: dict | None, source: str = "<dict>") -> PDServeConfig:
         return PDServeConfig.model_validate(data or {})
     except ValidationError as error:
         raise ConfigError(_describe(error, source)) from None
+
+
+def with_settings(config: PDServeConfig, settings: list[str]) -> PDServeConfig:
+    """`config` with each KEY=VALUE set: KEY a field's dotted path (`kv_transfer.transport`),
+    VALUE read as YAML (`2`, `true`, `{TLS: tcp}`, `[a, b]`); validated as a whole, once."""
+    data = config.model_dump()
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. kv_transfer.transport=nixl")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--set {key}: the value is not YAML: {error}") from None
+        node, *path, last = [data, *key.split(".")]
+        for part in path:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part} is a value, not a section")
+        node[last] = value
+    return parse_config(data, "(--set)") if settings else config
 
 
 def load_config(path: str | Path | None) -> PDServeConfig:

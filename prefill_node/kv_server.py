@@ -6,7 +6,8 @@ One connection serves one pull, in the order of proto/pdserve/v1/kv_transfer.pro
 2. The consumer's KV layout; the first field that differs ends the conversation.
 3. Its PullRequest: the lease table is asked for the blocks (`ProducerTable.claim`); a pull that
    arrives before the worker heard of the request carries the scheduler's signed lease.
-4. PullReply with the byte count, then the bytes through the data plane (TCP or NCCL), then the
+4. PullReply with the byte count, then the bytes through the data plane (TCP, a collective, or
+   NIXL's READ of what the plane offers), then the
    consumer's PullDone: only a completed pull lets the blocks go.
    A PullRequest with a `follow_key` is a prefetch instead (progress.py): no lease is claimed;
    each layer of the running prefill's blocks goes as a KVPiece and its bytes as soon as the
@@ -205,10 +206,7 @@ class KVServer:
             send_message(conn, pb.HandshakeResult(ok=problem is None, message=problem or ""))
             if problem:
                 raise ProtocolError(problem)
-            pairing = {
-                "nccl_unique_id": handshake.nccl_unique_id,
-                "nccl_pair_key": handshake.nccl_pair_key,
-            }
+            pairing = {f.name: value for f, value in handshake.ListFields() if f.name != "layout"}
             link = self.plane.producer_link(pairing, conn.getsockname()[0], deadline)
             _within(conn, deadline)
             request = recv_message(conn, pb.PullRequest)

@@ -158,6 +158,13 @@ class NodeStats:
     """NVML's utilization.memory (share of time device memory was read or written), 0..1."""
     decode_context_tokens: int = 0
     """Tokens cached by the sequences this engine is decoding (kept by the engine actor)."""
+    handovers_total: int = 0
+    """Decode legs that arrived with a prefill node's KV handle (decode nodes)."""
+    handovers_recomputed_total: int = 0
+    """... whose prompt the engine computed itself instead of loading it: a failed pull under
+    the recompute policy, or KV that never crossed."""
+    last_recompute: str = ""
+    """The last such hand-over: the request, the tokens computed, the transport and the peer."""
     kv: KVTotals = field(default_factory=KVTotals)
 
     def observe_queue_time(self, seconds: float) -> None:

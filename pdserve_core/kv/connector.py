@@ -10,8 +10,9 @@ vLLM builds one instance per role: SCHEDULER (EngineCore process) and WORKER (ea
 process). Each instance holds the halves its `kv_role` asks for: the producer half lives with the
 prefill node (`prefill_node/kv_producer.py`), the consumer half with the decode node
 (`decode_node/kv_consumer.py`); `kv_both` holds both. The halves are looked up by name and
-imported lazily (`HALVES`), like the data planes: this shared package names both roles' modules
-but has no import of either, and a process loads only the halves its role needs.
+imported lazily (`halves.py`: `HALVES`, and the protocol each side keeps), like the data planes:
+this shared package names both roles' modules but has no import of either, and a process loads
+only the halves its role needs.
 Transfers are pulled by the consumer: after the prefill finished, or (a prefetch) while it runs,
 following it layer by layer — the producer's per-layer hooks (`save_kv_layer`, `wait_for_save`)
 mark what the forward has written (prefill_node/progress.py). The consumer's load hooks have
@@ -25,7 +26,6 @@ only the request concerned (a pull that cannot be planned is reported failed, so
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
+from pdserve_core.kv.halves import (
+    CONTRACTS,
+    HALVES,
+    ConsumerScheduler,
+    ConsumerWorker,
+    ProducerScheduler,
+    ProducerWorker,
+)
 from pdserve_core.kv.layout import describe
 from pdserve_core.kv.settings import ConnectorSettings
 from pdserve_core.kv.stats import KVCounters, KVGauges, TransferStats, is_empty, merge_snapshots
@@ -47,11 +55,6 @@ from pdserve_core.kv.transport import plane_class
 
 logger = logging.getLogger(__name__)
 
-HALVES = {
-    "producer": ("prefill_node.kv_producer", "ProducerScheduler", "ProducerWorker"),
-    "consumer": ("decode_node.kv_consumer", "ConsumerScheduler", "ConsumerWorker"),
-}
-"""Each half: (module, scheduler-side class, worker-side class)."""
 ROLE_HALVES = {
     "kv_producer": ("producer",),
     "kv_consumer": ("consumer",),
@@ -59,9 +62,13 @@ ROLE_HALVES = {
 }
 
 
-def _half(name: str, side: int) -> type:
-    module, *classes = HALVES[name]
-    return getattr(importlib.import_module(module), classes[side])
+def _half(name: str, side: str, *args: Any) -> Any:
+    """The `side` of half `name`, built with `args`; it must keep the half's contract."""
+    built = HALVES[name].load(side)(*args)
+    contract = CONTRACTS[(name, side)]
+    if not isinstance(built, contract):
+        raise TypeError(f"{type(built).__name__} does not keep {contract.__name__}'s contract")
+    return built
 
 
 @dataclass
@@ -136,19 +143,22 @@ class PDServeConnector(KVConnectorBase_V1):
         self._settings = ConnectorSettings.from_extra(config.kv_connector_extra_config)
         self._halves = ROLE_HALVES[config.kv_role]
         self._vllm_config = vllm_config
-        self.producer: Any = None
-        self.consumer: Any = None
+        self.producer: ProducerScheduler | ProducerWorker | None = None
+        """The producer half of this process's side (scheduler or worker), if its role has one."""
+        self.consumer: ConsumerScheduler | ConsumerWorker | None = None
         self._stats: TransferStats | None = None
         self._last_gauges: dict | None = None
         self._begun: PDServeMetadata | None = None
         """The step metadata whose followed writes the producer was told of."""
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
+            engine_id = config.engine_id or ""
             if "producer" in self._halves:
-                producer = _half("producer", 0)
-                self.producer = producer(self._settings, config.engine_id or "", block_size)
+                self.producer = _half(
+                    "producer", "scheduler", self._settings, engine_id, block_size
+                )
             if "consumer" in self._halves:
-                self.consumer = _half("consumer", 0)(self._settings, block_size)
+                self.consumer = _half("consumer", "scheduler", self._settings, block_size)
 
     @property
     def settings(self) -> ConnectorSettings:
@@ -226,16 +236,16 @@ class PDServeConnector(KVConnectorBase_V1):
             tp_size=tp_size,
             transport=settings.transport,
         )
-        plane = plane_class(settings.transport)(
-            layout, kv_caches, rate_limit=settings.send_rate_limit_bytes_per_s
-        )
+        plane = plane_class(settings.transport).from_settings(layout, kv_caches, settings)
         self._stats = TransferStats()
         self._tp_rank = tp_rank
         if "producer" in self._halves:
             engine_id = vllm_config.kv_transfer_config.engine_id or ""
-            self.producer = _half("producer", 1)(settings, plane, self._stats, tp_rank, engine_id)
+            self.producer = _half(
+                "producer", "worker", settings, plane, self._stats, tp_rank, engine_id
+            )
         if "consumer" in self._halves:
-            self.consumer = _half("consumer", 1)(settings, plane, self._stats, tp_rank)
+            self.consumer = _half("consumer", "worker", settings, plane, self._stats, tp_rank)
         logger.info(
             "KV connector worker (%s): %d layers, %d B per block per layer",
             "+".join(self._halves),

@@ -7,6 +7,7 @@ defaults from here, and a plain vLLM server loading the connector gets the same 
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from pdserve_core.tls import client_context, server_context
 SECRET_ENV = "PDSERVE_KV_SECRET"
 TRANSPORTS = tuple(PLANES)
 LOADS = ("sync", "async")
+UCX_NAME = re.compile(r"(UCX_)?[A-Z][A-Z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,13 @@ class ConnectorSettings:
     port: int = 0
     """Base port of the KV servers (rank r listens on port + r); 0 picks free ports."""
     transport: str = DEFAULT_TRANSPORT
-    """Data plane for block bytes: "tcp" (sockets, any host), "nccl" (GPU to GPU) or "gloo" (the
-    same collective plane as nccl, between CPU caches)."""
+    """Data plane for block bytes: "tcp" (sockets, any host), "nccl" (GPU to GPU), "gloo" (the
+    same collective plane as nccl, between CPU caches) or "nixl" (NIXL's UCX backend: RDMA,
+    NVLink, shared memory or TCP, whichever UCX finds)."""
+    ucx: dict[str, str] | None = None
+    """The nixl plane's UCX settings, by variable name without the `UCX_` prefix (e.g.
+    {"TLS": "rc,cuda_copy,cuda_ipc", "NET_DEVICES": "mlx5_0:1"}); set in each engine's
+    environment before UCX starts, over what it inherited."""
     lease_s: float = 30.0
     """How long the producer keeps a finished prefill's blocks for a consumer."""
     timeout_s: float = 10.0
@@ -75,6 +82,9 @@ class ConnectorSettings:
         if extra.get("peer_hosts") is not None:
             extra["peer_hosts"] = tuple(str(host) for host in extra["peer_hosts"])
         settings = cls(**extra)
+        for name, value in (settings.ucx or {}).items():
+            if not UCX_NAME.fullmatch(str(name)) or not isinstance(value, str | int):
+                raise ValueError(f"ucx: {name!r}={value!r} is not a UCX variable and its value")
         if settings.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {settings.transport!r}")
         if settings.load not in LOADS:

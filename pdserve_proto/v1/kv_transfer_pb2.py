@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"4\n\tChallenge\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"*\n\x0c\x41uthResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\"6\n\nAuthResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xd2\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x11\n\ttransport\x18\x0b \x01(\t\"`\n\tHandshake\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x16\n\x0enccl_unique_id\x18\x02 \x01(\x0c\x12\x15\n\rnccl_pair_key\x18\x03 \x01(\x0c\".\n\x0fHandshakeResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbf\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x16\n\x0eheld_block_ids\x18\x03 \x03(\r\x12\x16\n\x0elease_deadline\x18\x04 \x01(\x01\x12\x13\n\x0blease_token\x18\x05 \x01(\x0c\x12\x15\n\rlease_readers\x18\x06 \x01(\r\x12\x12\n\nfollow_key\x18\x07 \x01(\t\x12\x19\n\x11\x66ollow_max_blocks\x18\x08 \x01(\r\"\x85\x01\n\x07KVPiece\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\xd1\x01\n\tPullReply\x12,\n\x06status\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.PullReply.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\"H\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x01\x12\x11\n\rLEASE_EXPIRED\x10\x02\x12\x0e\n\nBAD_BLOCKS\x10\x03\".\n\x08PullDone\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"4\n\tChallenge\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"*\n\x0c\x41uthResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\"6\n\nAuthResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xd2\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x11\n\ttransport\x18\x0b \x01(\t\"\xd2\x01\n\tHandshake\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x16\n\x0enccl_unique_id\x18\x02 \x01(\x0c\x12\x15\n\rnccl_pair_key\x18\x03 \x01(\x0c\x12<\n\x0cplane_fields\x18\x04 \x03(\x0b\x32&.pdserve.v1.Handshake.PlaneFieldsEntry\x1a\x32\n\x10PlaneFieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\".\n\x0fHandshakeResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbf\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x16\n\x0eheld_block_ids\x18\x03 \x03(\r\x12\x16\n\x0elease_deadline\x18\x04 \x01(\x01\x12\x13\n\x0blease_token\x18\x05 \x01(\x0c\x12\x15\n\rlease_readers\x18\x06 \x01(\r\x12\x12\n\nfollow_key\x18\x07 \x01(\t\x12\x19\n\x11\x66ollow_max_blocks\x18\x08 \x01(\r\"\x85\x01\n\x07KVPiece\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\xd1\x01\n\tPullReply\x12,\n\x06status\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.PullReply.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\"H\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x01\x12\x11\n\rLEASE_EXPIRED\x10\x02\x12\x0e\n\nBAD_BLOCKS\x10\x03\"{\n\tNixlOffer\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0e\n\x06memory\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x17\n\x0flayer_addresses\x18\x05 \x03(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\".\n\x08PullDone\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_HANDSHAKE_PLANEFIELDSENTRY']._loaded_options = None
+  _globals['_HANDSHAKE_PLANEFIELDSENTRY']._serialized_options = b'8\001'
   _globals['_CHALLENGE']._serialized_start=44
   _globals['_CHALLENGE']._serialized_end=96
   _globals['_AUTHRESPONSE']._serialized_start=98
@@ -39,18 +41,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AUTHRESULT']._serialized_end=196
   _globals['_KVLAYOUT']._serialized_start=199
   _globals['_KVLAYOUT']._serialized_end=409
-  _globals['_HANDSHAKE']._serialized_start=411
-  _globals['_HANDSHAKE']._serialized_end=507
-  _globals['_HANDSHAKERESULT']._serialized_start=509
-  _globals['_HANDSHAKERESULT']._serialized_end=555
-  _globals['_PULLREQUEST']._serialized_start=558
-  _globals['_PULLREQUEST']._serialized_end=749
-  _globals['_KVPIECE']._serialized_start=752
-  _globals['_KVPIECE']._serialized_end=885
-  _globals['_PULLREPLY']._serialized_start=888
-  _globals['_PULLREPLY']._serialized_end=1097
-  _globals['_PULLREPLY_STATUS']._serialized_start=1025
-  _globals['_PULLREPLY_STATUS']._serialized_end=1097
-  _globals['_PULLDONE']._serialized_start=1099
-  _globals['_PULLDONE']._serialized_end=1145
+  _globals['_HANDSHAKE']._serialized_start=412
+  _globals['_HANDSHAKE']._serialized_end=622
+  _globals['_HANDSHAKE_PLANEFIELDSENTRY']._serialized_start=572
+  _globals['_HANDSHAKE_PLANEFIELDSENTRY']._serialized_end=622
+  _globals['_HANDSHAKERESULT']._serialized_start=624
+  _globals['_HANDSHAKERESULT']._serialized_end=670
+  _globals['_PULLREQUEST']._serialized_start=673
+  _globals['_PULLREQUEST']._serialized_end=864
+  _globals['_KVPIECE']._serialized_start=867
+  _globals['_KVPIECE']._serialized_end=1000
+  _globals['_PULLREPLY']._serialized_start=1003
+  _globals['_PULLREPLY']._serialized_end=1212
+  _globals['_PULLREPLY_STATUS']._serialized_start=1140
+  _globals['_PULLREPLY_STATUS']._serialized_end=1212
+  _globals['_NIXLOFFER']._serialized_start=1214
+  _globals['_NIXLOFFER']._serialized_end=1337
+  _globals['_PULLDONE']._serialized_start=1339
+  _globals['_PULLDONE']._serialized_end=1385
 # @@protoc_insertion_point(module_scope)

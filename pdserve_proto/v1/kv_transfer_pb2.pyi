@@ -60,14 +60,23 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class Handshake(_message.Message):
-    __slots__ = ("layout", "nccl_unique_id", "nccl_pair_key")
+    __slots__ = ("layout", "nccl_unique_id", "nccl_pair_key", "plane_fields")
+    class PlaneFieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     NCCL_PAIR_KEY_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELDS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     nccl_unique_id: bytes
     nccl_pair_key: bytes
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., nccl_unique_id: _Optional[bytes] = ..., nccl_pair_key: _Optional[bytes] = ...) -> None: ...
+    plane_fields: _containers.ScalarMap[str, bytes]
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., nccl_unique_id: _Optional[bytes] = ..., nccl_pair_key: _Optional[bytes] = ..., plane_fields: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class HandshakeResult(_message.Message):
     __slots__ = ("ok", "message")
@@ -138,6 +147,22 @@ class PullReply(_message.Message):
     num_layers: int
     num_blocks: int
     def __init__(self, status: _Optional[_Union[PullReply.Status, str]] = ..., message: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class NixlOffer(_message.Message):
+    __slots__ = ("agent", "metadata", "memory", "device_id", "layer_addresses", "block_ids")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    metadata: bytes
+    memory: str
+    device_id: int
+    layer_addresses: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., memory: _Optional[str] = ..., device_id: _Optional[int] = ..., layer_addresses: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullDone(_message.Message):
     __slots__ = ("ok", "received_bytes")

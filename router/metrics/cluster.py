@@ -176,6 +176,12 @@ class _NodeFamilies:
             "already cached there (not sent).",
             ("outcome",),
         )
+        self.kv_handovers = counter(
+            "pdserve_kv_handovers",
+            "Decode legs that arrived with a prefill node's KV: loaded, or recomputed (the decode "
+            "engine computed the prompt itself: a failed pull, or KV that never crossed).",
+            ("outcome",),
+        )
         self.kv_in_flight = gauge("pdserve_kv_transfers_in_flight", "KV pulls in progress.")
         self.kv_failures = counter(
             "pdserve_kv_transfer_failures", "Failed KV pulls by reason.", ("reason",)
@@ -277,6 +283,9 @@ class _NodeFamilies:
             self.kv_transfers.add_metric(labels, transfers)
         for reason in FAILURE_REASONS:
             self.kv_failures.add_metric([*key, reason], counters.failures.get(reason, 0))
+        recomputed = stats.handovers_recomputed_total
+        self.kv_handovers.add_metric([*key, "loaded"], stats.handovers_total - recomputed)
+        self.kv_handovers.add_metric([*key, "recomputed"], recomputed)
         self.kv_blocks.add_metric([*key, "received"], counters.blocks_received)
         self.kv_blocks.add_metric([*key, "cached"], counters.blocks_cached)
         self.kv_in_flight.add_metric(key, gauges.in_flight)

@@ -183,20 +183,21 @@ def test_a_decode_hosts_cable_pulled_mid_stream_continues_on_the_other(cluster):
     assert again.usage["completion_tokens"] == 16
 
 
-def test_the_prefill_hosts_cable_pulled_during_a_pull_recomputes_within_the_deadline(cluster):
-    long_prompt = " ".join([PROMPT] * 60)  # ~1000 tokens: ~46 MB of float32 KV
+def cut_the_prefill_host_mid_transfer(cluster, prompt: str) -> tuple[Stream, float, float]:
+    """Stream `prompt` with the prefill host's link shaped so its KV takes seconds, pull that
+    host's cable once KV is on the wire, put it back; returns (the stream, its seconds, the
+    failures counted before). The stream must have ended."""
     failures = total(cluster, "pdserve_kv_transfer_failures_total")
     cluster.hosts.shape("prefill", "40mbit")  # the pull takes seconds: long enough to cut
     result = Stream()
     before = cluster.link_bytes("prefill", "from")
-    thread = threading.Thread(
-        target=stream, args=(cluster, 8, long_prompt + " Again."), kwargs={"into": result}
-    )
+    thread = threading.Thread(target=stream, args=(cluster, 8, prompt), kwargs={"into": result})
     started = time.monotonic()
     try:
         thread.start()
-        # the prompt's first token is back (the prefill has ended; its KV, streamed since the
-        # prefill began, is seconds from done at this rate) and KV is on the wire
+        # the prompt's first token is back (the prefill has ended; on the tcp plane its KV,
+        # streamed since the prefill began, is seconds from done at this rate) and KV is on the
+        # wire
         wait_for(lambda: result.arrivals, 120, "the first token")
         wait_for(lambda: cluster.link_bytes("prefill", "from") - before > 4 << 20, 120, "KV")
         cluster.hosts.cut("prefill")
@@ -204,8 +205,13 @@ def test_the_prefill_hosts_cable_pulled_during_a_pull_recomputes_within_the_dead
     finally:
         cluster.hosts.restore("prefill")
         cluster.hosts.shape("prefill", None)
-    took = time.monotonic() - started
     assert not thread.is_alive()
+    return result, time.monotonic() - started, failures
+
+
+def test_the_prefill_hosts_cable_pulled_during_a_pull_recomputes_within_the_deadline(cluster):
+    long_prompt = " ".join([PROMPT] * 60)  # ~1000 tokens: ~46 MB of float32 KV
+    result, took, failures = cut_the_prefill_host_mid_transfer(cluster, long_prompt + " Again.")
     assert result.error is None and result.usage["completion_tokens"] == 8, result
     assert total(cluster, "pdserve_kv_transfer_failures_total") > failures
     print(f"prefill host cut mid-pull: request done in {took:.1f} s (kv timeout 10 s)")

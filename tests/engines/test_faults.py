@@ -120,7 +120,11 @@ async def check_fail(engines, prompt, reason, producer_name="p", mutate=None):
 
 
 async def test_handle_pointing_at_a_wrong_port(engines, corpus):
+    before = (await engines["d"].stats.remote()).handovers_recomputed_total
     await check_recompute(engines, corpus[40:340], "connect", mutate=wrong_port)
+    after = await engines["d"].stats.remote()
+    assert after.handovers_recomputed_total == before + 1
+    assert "the pull failed (connect" in after.last_recompute
     await check_fail(engines, corpus[60:300], "connect", mutate=wrong_port)
     await assert_producer_drains(engines["p"])  # nobody pulled: the leases ran out
 
@@ -221,6 +225,35 @@ def _set(change: dict):
         handle.update(change)
 
     return mutate
+
+
+async def test_kv_that_never_crosses_is_counted_and_named_though_nothing_failed(engines, corpus):
+    """A handle the decode engine ignores (as a proxy that drops `do_remote_prefill` leaves
+    it): the answer is right and no pull fails, so only the hand-over check sees that the KV
+    never crossed — it counts the hand-over as recomputed and names the transport and the peer
+    (what /health, the log line and the PdserveKVNotCrossing alert show)."""
+    prompt = corpus[700:1100]
+    before = await engines["d"].stats.remote()
+
+    def ignored(handle):
+        handle["do_remote_prefill"] = False
+
+    result = await disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS, ignored)
+    assert result.tokens == await plain(engines["p"], prompt)
+    after = await engines["d"].stats.remote()
+    assert after.kv.counters.failures == before.kv.counters.failures
+    assert after.kv.counters.transfers_received == before.kv.counters.transfers_received
+    assert after.handovers_total == before.handovers_total + 1
+    assert after.handovers_recomputed_total == before.handovers_recomputed_total + 1
+    port = result.handle["remote_ports"][0]
+    assert "KV transport tcp" in after.last_recompute
+    assert f"127.0.0.1:[{port}]" in after.last_recompute
+    good = await disaggregated(engines["p"], engines["d"], corpus[1200:1500], MAX_TOKENS)
+    assert good.tokens == await plain(engines["p"], corpus[1200:1500])
+    last = await engines["d"].stats.remote()
+    assert last.handovers_total == after.handovers_total + 1
+    assert last.handovers_recomputed_total == after.handovers_recomputed_total, last.last_recompute
+    await assert_producer_drains(engines["p"])
 
 
 async def test_producer_killed_mid_transfer(engines, corpus):

@@ -29,7 +29,7 @@ def test_every_example_config_under_deploy_is_valid():
         ({"engine": {"dtype": "int3"}}, "engine.dtype", "'bfloat16'"),
         ({"engine": {"max_len": 10}}, "engine.max_len", "Extra inputs are not permitted"),
         ({"router": {"http_port": 70000}}, "router.http_port", "less than or equal to 65535"),
-        ({"kv_transfer": {"transport": "udp"}}, "kv_transfer.transport", "'tcp', 'nccl' or 'gloo'"),
+        ({"kv_transfer": {"transport": "udp"}}, "kv_transfer.transport", "'tcp', 'nccl', 'gloo' or 'nixl'"),
         (
             {"kv_transfer": {"failure_policy": "ignore"}},
             "kv_transfer.failure_policy",
@@ -163,3 +163,30 @@ def test_plain_text_off_loopback_is_warned_about(monkeypatch, capsys):
     monkeypatch.setenv("PDSERVE_API_KEY", "k")
     assert cli.main(["serve", "--host", "0.0.0.0"]) == 0
     assert "serving plain text on 0.0.0.0" in capsys.readouterr().err
+
+
+def test_set_reaches_any_field_by_its_path_and_refuses_what_the_schema_does(monkeypatch, capsys):
+    from pdserve import cli
+    from pdserve_core.config import with_settings
+
+    config = with_settings(
+        PDServeConfig(),
+        ["kv_transfer.transport=nixl", "kv_transfer.ucx={TLS: tcp}", "pools.decode.replicas=2"],
+    )
+    assert config.kv_transfer.transport == "nixl" and config.kv_transfer.ucx == {"TLS": "tcp"}
+    assert config.pools.decode.replicas == 2
+    settings = config.kv_transfer.connector_settings("s", 0)
+    assert settings.transport == "nixl" and settings.ucx == {"TLS": "tcp"}
+    served = []
+    monkeypatch.setattr("pdserve.serve.run", lambda config, ready_file=None: served.append(config))
+    cli.main(["serve", "--set", "kv_transfer.transport=nixl"])
+    assert served[0].kv_transfer.transport == "nixl"
+    for bad, says in (
+        ("kv_transfer.transport=udp", "kv_transfer.transport"),
+        ("kv_transfer.ucx={tls; rm: x}", "not a UCX variable name"),
+        ("kv_transfer.nope=1", "kv_transfer.nope"),
+        ("transport", "write KEY=VALUE"),
+        ("model.x=1", "model is a value, not a section"),
+    ):
+        assert cli.main(["serve", "--set", bad]) == 2, bad
+        assert says in capsys.readouterr().err, bad

@@ -22,20 +22,14 @@ from pdserve_core.kv.wire import ProtocolError
 from prefill_node.kv_server import KVServer
 from prefill_node.leases import ProducerTable
 from tests.conftest import REPO
+from tests.helpers.kv_caches import cpu_caches
 
 LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 3, 12, 3, 16, 64
 PEER = REPO / "tests/helpers/gloo_peer.py"
 
 
 def caches(seed: int | None) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed or 0)
-    shape = (BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
-    return {
-        f"model.layers.{i}.self_attn.attn": (
-            torch.randn(shape, generator=gen) if seed is not None else torch.zeros(shape)
-        ).to(torch.bfloat16)
-        for i in range(LAYERS)
-    }
+    return cpu_caches(LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM, seed)
 
 
 def plane(kv) -> GlooPlane:

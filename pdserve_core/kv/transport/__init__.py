@@ -12,6 +12,7 @@ PLANES = {
     "tcp": ("pdserve_core.kv.transport.tcp", "TcpPlane"),
     "nccl": ("pdserve_core.kv.transport.nccl", "NcclPlane"),
     "gloo": ("pdserve_core.kv.transport.gloo", "GlooPlane"),
+    "nixl": ("pdserve_core.kv.transport.nixl", "NixlPlane"),
 }
 """Transport name -> (module, plane class)."""
 DEFAULT = "tcp"

@@ -9,8 +9,12 @@ consumer's in `decode_node/kv_client.py`. A data plane only moves bytes:
 - a followed prefill's pieces (prefill_node/progress.py), one layer at a time on the control
   socket: `send_layer` / `recv_layer` (`follows`: the TCP plane only);
 - optional per-peer pairing, negotiated inside the handshake: `consumer_pairing` adds fields to
-  it, `consumer_link` and `producer_link` return the link both sides then use (the NCCL
-  communicator, collective.py); TCP needs none and uses the control socket itself.
+  it (a new plane puts its own in `plane_fields`, a map the protocol leaves to the planes);
+  `consumer_link` and `producer_link` return the link both sides then use (the NCCL
+  communicator, collective.py; whether the consumer still needs the producer's NIXL metadata,
+  nixl.py); TCP needs none and uses the control socket itself;
+- anything a plane says on the control socket after an OK PullReply is its own (nixl sends a
+  `NixlOffer`), as long as the consumer's PullDone ends it.
 
 A run is a contiguous tensor slice: consecutive block ids of one layer, moved as one piece.
 """
@@ -48,6 +52,12 @@ class DataPlane(ABC):
         """Bytes per second a producer sends at most per transfer (None: no cap)."""
         self.layer_names = sorted(kv_caches)
         self.layers = [kv_caches[name] for name in self.layer_names]
+
+    @classmethod
+    def from_settings(cls, layout: KVLayout, kv_caches: dict[str, Any], settings: Any) -> DataPlane:
+        """The plane a connector with these `ConnectorSettings` uses (a plane with settings of
+        its own reads them here)."""
+        return cls(layout, kv_caches, rate_limit=settings.send_rate_limit_bytes_per_s)
 
     follows = False
     """Can stream a running prefill's layers as they are written (`send_layer`, `recv_layer`)."""
