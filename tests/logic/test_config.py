@@ -29,7 +29,11 @@ def test_every_example_config_under_deploy_is_valid():
         ({"engine": {"dtype": "int3"}}, "engine.dtype", "'bfloat16'"),
         ({"engine": {"max_len": 10}}, "engine.max_len", "Extra inputs are not permitted"),
         ({"router": {"http_port": 70000}}, "router.http_port", "less than or equal to 65535"),
-        ({"kv_transfer": {"transport": "udp"}}, "kv_transfer.transport", "'tcp', 'nccl', 'gloo' or 'nixl'"),
+        (
+            {"kv_transfer": {"transport": "udp"}},
+            "kv_transfer.transport",
+            "'tcp', 'nccl', 'gloo' or 'nixl'",
+        ),
         (
             {"kv_transfer": {"failure_policy": "ignore"}},
             "kv_transfer.failure_policy",
