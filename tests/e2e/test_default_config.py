@@ -377,12 +377,12 @@ def _placements(server) -> dict[str, float]:
 def test_a_short_prompt_does_not_wait_behind_long_prefills(server, prometheus, load):
     """The adaptive default: long prompts queued on the prefill node, a short prompt arriving
     behind them is computed on its decode node (`prefill_backlog`); the long ones went to the
-    prefill node. Each decision is counted, and Prometheus sees both kinds. (Three long prompts
-    and no background load: on a host with bf16 instructions one long prefill takes well under a
-    second, and two could be done before the router was seen holding both.)"""
+    prefill node. Each decision is counted, and Prometheus sees both kinds. (Six long prompts and
+    no background load: on a host with bf16 instructions one long prefill takes well under a
+    second, and three were once all done before the router was seen holding two of them.)"""
     load.stop()
     before = _placements(server)
-    long_prompts = [list(range(1000 + i, 2900 + i)) for i in (0, 1, 2)]  # 1900 tokens each
+    long_prompts = [list(range(1000 + i, 2900 + i)) for i in range(6)]  # 1900 tokens each
 
     def send(prompt) -> int:
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
