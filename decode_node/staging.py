@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdserve_core.kv.transport.plane import paired_runs
 from pdserve_core.kv.wire import TransferError
 
 
@@ -105,7 +106,7 @@ class StagedKV:
         """Write the staged blocks at `places` into the cache blocks `local`; returns bytes.
         CPU caches are written run by run with plain memory copies (no torch op: its thread pool
         belongs to the engine, whose step waits for this); device caches one copy per run."""
-        runs = _paired_runs(places, local)
+        runs = paired_runs(places, local)
         staged = self.data.numpy()
         for layer, cache in enumerate(layers):
             blocks = cache.reshape(cache.shape[0], -1).view(torch.uint8)
@@ -118,17 +119,6 @@ class StagedKV:
                     run = self.data[layer, source : source + count]
                     blocks[dest : dest + count].copy_(run, non_blocking=False)
         return len(local) * self.data.shape[0] * self.data.shape[2]
-
-
-def _paired_runs(places: list[int], local: list[int]) -> list[tuple[int, int, int]]:
-    """(first place, first local block, count) runs where both go up by one together."""
-    runs: list[list[int]] = []
-    for place, block in zip(places, local, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == place and runs[-1][1] + runs[-1][2] == block:
-            runs[-1][2] += 1
-        else:
-            runs.append([place, block, 1])
-    return [tuple(run) for run in runs]
 
 
 class Staging:

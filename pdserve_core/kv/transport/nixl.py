@@ -39,7 +39,7 @@ from typing import Any
 
 from pdserve_core.kv.layout import KVLayout
 from pdserve_core.kv.transport.collective import wait_until
-from pdserve_core.kv.transport.plane import DataPlane
+from pdserve_core.kv.transport.plane import DataPlane, paired_runs
 from pdserve_core.kv.wire import ProtocolError, recv_message, send_message
 from pdserve_proto.v1 import kv_transfer_pb2 as pb
 
@@ -228,12 +228,7 @@ class NixlPlane(DataPlane):
     def _descriptors(self, offer: pb.NixlOffer, local_blocks: list[int]):
         """(local, remote) descriptor lists: one per layer per run consecutive on both sides."""
         size = self.layout.block_bytes
-        runs: list[list[int]] = []  # [remote first, local first, count]
-        for remote, local in zip(offer.block_ids, local_blocks, strict=True):
-            if runs and runs[-1][0] + runs[-1][2] == remote and runs[-1][1] + runs[-1][2] == local:
-                runs[-1][2] += 1
-            else:
-                runs.append([remote, local, 1])
+        runs = paired_runs(list(offer.block_ids), local_blocks)
         local_descs, remote_descs = [], []
         for here, there in zip(self.addresses, offer.layer_addresses, strict=True):
             for remote, local, count in runs:

@@ -41,6 +41,18 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def paired_runs(first: list[int], second: list[int]) -> list[tuple[int, int, int]]:
+    """(first id, second id, count) runs where both lists go up by one together:
+    ([1,2,7], [0,1,4]) -> [(1,0,2), (7,4,1)]."""
+    runs: list[list[int]] = []
+    for a, b in zip(first, second, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+    return [tuple(run) for run in runs]
+
+
 class DataPlane(ABC):
     name = "base"
 
