@@ -125,7 +125,6 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
             "logprob-token-ids-stream", True, max_tokens=6, logprobs=3, logprob_token_ids=IDS
         ),
         chat("chat-logprob-token-ids", max_tokens=6, logprobs=True, logprob_token_ids=IDS),
-        *wide_characters(),
         chat("tools", max_tokens=8, tools=[_TOOL], tool_choice="auto"),
         chat("tools-auto-stream", True, max_tokens=24, tools=[_TOOL], tool_choice="auto"),
         chat("tools-required", max_tokens=120, tools=[_TOOL], tool_choice="required"),
@@ -196,18 +195,53 @@ WIDE = (
     "Write 'hello' in Russian, Greek and Hindi: привет,",
     "Finish with a flag emoji: the country I visited was 🇯🇵",
     "Say thank you in Arabic and Hebrew: شكرا",
+    "春天来了，",
+    "我今天很高兴，因为",
+    "中国的首都是",
+    "请用中文介绍一下你自己：",
+    "一二三四五六七八",
+    "北京、上海、广州、",
+    "猫和狗哪个更可爱？",
+    "今日はいい天気ですね。",
+    "私の名前は",
+    "桜の花が",
+    "おはようございます、",
+    "カタカナで書いてください：コンピューター、",
+    "서울은",
+    "안녕하세요, 저는",
+    "오늘 날씨가",
+    "Emoji story: 🐶🏠🌧️",
+    "Reply with a heart emoji: ❤️",
+    "Rate this movie with stars: ⭐⭐⭐",
+    "Food emojis: 🍕🍔🍟",
+    "Animals: 🐱🐭🐹🐰",
+    "Weather report in emojis: ⛅🌈",
+    "Count with keycap emojis: 1️⃣ 2️⃣",
+    "Family emoji: 👨‍👩‍👧",
+    "Skin tones: 👍🏽👋🏿",
+    "Mixed: I ❤️ 東京 and 서울 and",
+    "Math symbols: ∑∫∂√∞≈",
+    "Greek alphabet: αβγδε",
+    "Russian: Москва — столица",
+    "Hindi: नमस्ते, मेरा नाम",
+    "Thai: สวัสดีครับ",
+    "Accents: crème brûlée, jalapeño, façade,",
+    "Combining marks: e\u0301 a\u0300 o\u0302 u\u0308",
+    "Fullwidth: ＡＢＣ１２３",
 )
 """Prompts whose answers (or whose prompts' ends) hold characters of several byte-level tokens:
 the first token the prefill node samples may end halfway through one."""
 
 
 def wide_characters() -> list[Case]:
+    """Two cases a prompt: a completion and a chat, one of them streamed."""
     found = []
     for i, prompt in enumerate(WIDE):
         body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
-        found.append(Case(f"wide-{i}", "completion", body))
-        found.append(Case(f"wide-{i}-stream", "completion", body, True))
-        found.append(chat(f"chat-wide-{i}", i % 2 == 1, max_tokens=12, messages=[
+        found.append(
+            Case(f"wide-{i}" + ("-stream" if i % 2 else ""), "completion", body, i % 2 == 1)
+        )
+        found.append(chat(f"chat-wide-{i}", i % 2 == 0, max_tokens=12, messages=[
             {"role": "user", "content": prompt}
         ]))  # fmt: skip
     return found

@@ -32,8 +32,11 @@ their cases and vLLM's own tests), 13-15 minutes on a 2-core host: past the suit
 VLLM_TESTED = ("vllm", "disaggregated", "default")
 """The servers vLLM's own entrypoint tests run against (scripts/vllm_entrypoint_tests.py):
 plain vLLM, pdserve with every prompt across the seam, and pdserve's default 1P1D (adaptive
-placement), which serves the parity suite's emoji and CJK cases only. On pdserve, only the tests
+placement), which serves the emoji and CJK cases too, none of the others. On pdserve, only the tests
 that passed on vLLM run: a test that fails there cannot regress."""
+WIDE_TESTED = ("vllm", "disaggregated", "default")
+"""The servers the emoji / CJK cases (`parity.wide_characters`) go to: where the first token
+can end halfway through a character is the seam; colocated pdserve is one engine, like vLLM."""
 FLAGS = (
     *parity.TOOL_FLAGS,
     "--enable-tokenizer-info-endpoint",
@@ -117,7 +120,7 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
                     derived = parity.derived(seen["vllm"]["greedy"])
                 seen[system].update({case.name: parity.send(url, case) for case in derived})
                 seen[system]["refusals"] = _refusals(url)
-            if system == "default":  # the emoji / CJK answers on the server a user gets
+            if system in WIDE_TESTED:
                 seen[system].update({case.name: parity.send(url, case) for case in wide})
             if system in VLLM_TESTED:  # on pdserve, only what passed on vLLM (can regress)
                 only = None if system == "vllm" else vllm_tests().passed(seen["vllm"]["vllm-tests"])
@@ -163,12 +166,14 @@ def test_same_answer_as_plain_vllm(answers, system, name):
     _same_answer(answers, system, name)
 
 
+@pytest.mark.parametrize("system", WIDE_TESTED[1:])
 @pytest.mark.parametrize("name", [case.name for case in parity.wide_characters()])
-def test_same_wide_characters_on_the_default_server(answers, name):
-    """Emoji, CJK and combining characters, greedy, streamed and not, on pdserve's default
-    1P1D: adaptive placement, which picks the prefill node or the decode node per request; the
-    answer must be vLLM's either way."""
-    _same_answer(answers, "default", name)
+def test_same_wide_characters_as_plain_vllm(answers, system, name):
+    """Emoji, CJK, other scripts and combining characters, greedy, each prompt as a completion
+    and a chat, one of them streamed: with every prompt across the seam, and on pdserve's default
+    1P1D (adaptive placement picks the prefill node or the decode node per request; the answer
+    must be vLLM's either way)."""
+    _same_answer(answers, system, name)
 
 
 def _same_answer(answers, system, name):
