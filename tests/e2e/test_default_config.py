@@ -276,7 +276,9 @@ router busy) marks every series stale until the next one, so an instant query ca
 empty for a second or two."""
 
 
-def assert_data(url: str, expr: str, per_pool: bool, where: str) -> list[dict]:
+def assert_data(url: str, expr: str, per_pool: bool, where: str, enough=bool) -> list[dict]:
+    """`expr`'s result once it has data (for each pool with `per_pool`) that is `enough`,
+    polled until `SERIES_DEADLINE_S`; the last result past it."""
     deadline = time.monotonic() + SERIES_DEADLINE_S
     while True:
         result, pools = [], set()
@@ -286,7 +288,8 @@ def assert_data(url: str, expr: str, per_pool: bool, where: str) -> list[dict]:
             pass
         pools = {sample["metric"].get("pool") for sample in result}
         if result and (not per_pool or POOLS <= pools):
-            return result
+            if enough(result) or time.monotonic() > deadline:
+                return result
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -419,18 +422,17 @@ def test_a_short_prompt_does_not_wait_behind_long_prefills(server, prometheus, l
     after = _placements(server)
     remote = sum(v - before[k] for k, v in after.items() if k.startswith("remote/"))
     assert remote >= 2, after  # the long ones
-    deadline = time.monotonic() + SERIES_DEADLINE_S
-    while True:  # Prometheus sees the local placement at its next scrape
-        placed = {
-            sample["metric"]["where"]: float(sample["value"][1])
-            for sample in assert_data(
-                prometheus, "sum by (where) (pdserve_prefill_placements_total)", False, "placements"
-            )
-        }
-        if set(placed) == {"local", "remote"} or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert set(placed) == {"local", "remote"}, placed
+    placed = {  # Prometheus sees the local placement at its next scrape
+        sample["metric"]["where"]
+        for sample in assert_data(
+            prometheus,
+            "sum by (where) (pdserve_prefill_placements_total)",
+            False,
+            "placements",
+            enough=lambda result: len(result) == 2,
+        )
+    }
+    assert placed == {"local", "remote"}, placed
     gaps = assert_data(prometheus, "pdserve_handover_gap_seconds_count", False, "hand-overs")
     assert float(gaps[0]["value"][1]) > 0
 

@@ -34,9 +34,10 @@ VLLM_TESTED = ("vllm", "disaggregated", "default")
 plain vLLM, pdserve with every prompt across the seam, and pdserve's default 1P1D (adaptive
 placement), which serves the emoji and CJK cases too, none of the others. On pdserve, only the tests
 that passed on vLLM run: a test that fails there cannot regress."""
-WIDE_TESTED = ("vllm", "disaggregated", "default")
-"""The servers the emoji / CJK cases (`parity.wide_characters`) go to: where the first token
-can end halfway through a character is the seam; colocated pdserve is one engine, like vLLM."""
+WIDE_TESTED = VLLM_TESTED
+"""The servers the emoji / CJK cases (`parity.wide_characters`) go to, the same ones: where the
+first token can end halfway through a character is the seam; colocated pdserve is one engine,
+like vLLM."""
 FLAGS = (
     *parity.TOOL_FLAGS,
     "--enable-tokenizer-info-endpoint",
