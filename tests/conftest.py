@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,19 @@ def default_model_dir() -> Path:
 
 
 _MODULE_SECONDS: dict[str, float] = {}
+_PHASE_SECONDS: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Time a part of a long fixture (a server's start, one batch of cases): the summary lists
+    each phase of 5 s or more under its module's time, so a closing note can say where a
+    fixture's minutes went."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        _PHASE_SECONDS[name] = _PHASE_SECONDS.get(name, 0.0) + time.monotonic() - started
 
 
 def pytest_runtest_logreport(report):
@@ -58,3 +73,8 @@ def pytest_terminal_summary(terminalreporter):
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1]):
         if seconds >= 1.0:
             terminalreporter.write_line(f"{seconds / 60:6.2f} min  {module}")
+    phases = [(name, seconds) for name, seconds in _PHASE_SECONDS.items() if seconds >= 5.0]
+    if phases:
+        terminalreporter.section("time per phase (inside fixtures)")
+        for name, seconds in phases:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {name}")

@@ -18,8 +18,8 @@ import pytest
 from tests.e2e import chaos
 from tests.e2e.conftest import finish_server, start_server
 
-DURATION_S = float(os.environ.get("PDSERVE_CHAOS_S", "60"))
-KILL_EVERY_S = float(os.environ.get("PDSERVE_CHAOS_KILL_EVERY_S", "20"))
+DURATION_S = float(os.environ.get("PDSERVE_CHAOS_S", "45"))
+KILL_EVERY_S = float(os.environ.get("PDSERVE_CHAOS_KILL_EVERY_S", "15"))
 HEALTHY_WITHIN_S = 240.0
 LEASE_S = 10.0
 

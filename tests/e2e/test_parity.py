@@ -1,8 +1,9 @@
 """The seam is invisible: every case (tests/e2e/parity.py) gives pdserve disaggregated and pdserve
 colocated the same answer as plain vLLM's OpenAI server on the same host, in float32.
 
-The three servers run one after the other, each answering every case in the same order (so their
-prefix caches see the same history). `PDSERVE_PARITY=full` adds more prompt lengths and streamed
+The servers run one after the other, each answering every case the same way: four at a time,
+then the cases that read the prefix cache one by one, in order (`parity.send_all`), so each cache
+holds the same prompts before them. `PDSERVE_PARITY=full` adds more prompt lengths and streamed
 variants; CI runs the short list.
 """
 
@@ -13,6 +14,7 @@ import os
 import httpx
 import pytest
 
+from tests.conftest import phase
 from tests.e2e import parity
 from tests.e2e.conftest import finish_server, start_server
 from tests.helpers.vllm_tests import script as vllm_tests
@@ -113,21 +115,27 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
     derived: list[parity.Case] = []
     for system in (*SYSTEMS, *(s for s in VLLM_TESTED if s not in SYSTEMS)):
         work = tmp_path_factory.mktemp(f"parity-{system}")
-        with _serve(system, default_model_dir, work) as url:
+        with (
+            phase(f"parity {system}: start and stop"),
+            _serve(system, default_model_dir, work) as url,
+        ):
             seen[system] = {}
             if system in SYSTEMS:
-                seen[system] = {case.name: parity.send(url, case) for case in cases}
-                if system == "vllm":
-                    derived = parity.derived(seen["vllm"]["greedy"])
-                seen[system].update({case.name: parity.send(url, case) for case in derived})
-                seen[system]["refusals"] = _refusals(url)
+                with phase(f"parity {system}: cases"):
+                    seen[system] = parity.send_all(url, cases)
+                    if system == "vllm":
+                        derived = parity.derived(seen["vllm"]["greedy"])
+                    seen[system].update(parity.send_all(url, derived))
+                    seen[system]["refusals"] = _refusals(url)
             if system in WIDE_TESTED:
-                seen[system].update({case.name: parity.send(url, case) for case in wide})
+                with phase(f"parity {system}: wide characters"):
+                    seen[system].update(parity.send_all(url, wide))
             if system in VLLM_TESTED:  # on pdserve, only what passed on vLLM (can regress)
                 only = None if system == "vllm" else vllm_tests().passed(seen["vllm"]["vllm-tests"])
-                seen[system]["vllm-tests"] = vllm_tests().run(
-                    url, "SmolLM2-135M-Instruct", str(default_model_dir), only=only
-                )
+                with phase(f"parity {system}: vLLM's own tests"):
+                    seen[system]["vllm-tests"] = vllm_tests().run(
+                        url, "SmolLM2-135M-Instruct", str(default_model_dir), only=only
+                    )
     return seen
 
 
@@ -243,8 +251,11 @@ def reasoning_answers(default_model_dir, tmp_path_factory):
     seen = {}
     for system in ("vllm", "disaggregated"):
         work = tmp_path_factory.mktemp(f"parity-reasoning-{system}")
-        with _serve(system, default_model_dir, work, reasoning_parser="granite") as url:
-            seen[system] = {case.name: parity.send(url, case) for case in REASONING}
+        with (
+            phase(f"parity reasoning {system}: all"),
+            _serve(system, default_model_dir, work, reasoning_parser="granite") as url,
+        ):
+            seen[system] = parity.send_all(url, REASONING)
     return seen
 
 

@@ -1,12 +1,16 @@
 """Prefill node -> KV transfer -> decode node gives the tokens of one plain engine.
 
-Real vLLM CPU engines (SmolLM2-135M, float32, eager, prefix caching on) in Ray actors,
-pdserve's connector over TCP. Exact comparisons run in float32: bf16 kernels differ between
-CPUs (oneDNN/AMX on Intel), so bit-exact bf16 holds on one host and not another.
+Real vLLM CPU engines (SmolLM2-135M, float32, eager, prefix caching on) in Ray actors: a prefill
+and a decode node over pdserve's TCP plane, a pair over NIXL (UCX on loopback between the two
+engine processes, the decode node loading beside the steps: `load: async`), and a plain engine,
+the one-engine reference. One set for the module; tests read counters as differences. Exact
+comparisons run in float32: bf16 kernels differ between CPUs (oneDNN/AMX on Intel), so bit-exact
+bf16 holds on one host and not another, and bf16 greedy output depends on batch composition.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -38,8 +42,14 @@ FRESH = [(700, 5), (900, 129), (1100, 300), (1400, 641), (1800, 384), (300, 1500
 
 @pytest.fixture(scope="module")
 def engines(ray_session, default_model_dir):
-    roles = {"p": producer(), "d": consumer(), "ref": plain()}
-    engines = start_engines(str(default_model_dir), roles, kv_cache_gib=2)
+    roles = {
+        "p": producer(),
+        "d": consumer(),
+        "p_nixl": producer(transport="nixl"),
+        "d_nixl": consumer(transport="nixl", load="async"),
+        "ref": plain(),
+    }
+    engines = start_engines(str(default_model_dir), roles)
     yield engines
     engines.stop()
 
@@ -119,12 +129,64 @@ async def test_text_across_the_seam_is_one_engines_whatever_byte_a_token_ends_on
     assert partial > 0  # some token did end mid-character: the case the test is for
 
 
-async def test_nothing_is_left_held_after_the_requests(engines):
-    async def drained():
-        stats = await engines["p"].stats.remote()
-        return stats.kv.gauges.blocks_held == 0 and stats.kv_cache_usage == 0.0
+LENGTHS = [3, 100, 128, 129, 257, 300, 385, 512, 700, 1000, 1300, 1700]
+BATCH_MAX_TOKENS = 12
 
-    await wait_for(drained, 15, "the producer to free every held block")
-    stats = await engines["p"].stats.remote()
-    assert stats.kv.counters.transfers_sent >= 22
-    assert stats.kv.counters.leases_expired == 0
+
+@pytest.mark.parametrize("prefill, decode", [("p", "d"), ("p_nixl", "d_nixl")])
+async def test_concurrent_batch_matches_one_engine_in_float32(engines, corpus, prefill, decode):
+    """A concurrent batch through the pair equals one engine's batch: with the KV loaded in the
+    step that admits each request (`load: sync`, the default) over the TCP plane, and beside
+    the steps (`async`) over NIXL. (How a pull waits is the same code whatever plane moves the
+    bytes.)"""
+    batch = [corpus[i * 37 : i * 37 + n] for i, n in enumerate(LENGTHS)]
+    before = (await engines[decode].stats.remote()).kv.counters.transfers_received
+    expected, got = await asyncio.gather(
+        asyncio.gather(*(reference(engines["ref"], p, BATCH_MAX_TOKENS) for p in batch)),
+        asyncio.gather(
+            *(disaggregated(engines[prefill], engines[decode], p, BATCH_MAX_TOKENS) for p in batch)
+        ),
+    )
+    differ = [n for n, want, pd in zip(LENGTHS, expected, got, strict=True) if pd.tokens != want]
+    assert not differ, f"prompt lengths whose tokens differ: {differ}"
+    stats = await engines[decode].stats.remote()
+    counters = stats.kv.counters
+    assert not counters.failures, counters
+    assert counters.transfers_received - before == len(batch), counters
+    assert stats.handovers_recomputed_total == 0, stats.last_recompute
+
+
+async def test_nixl_hands_over_prompt_by_prompt_as_one_engine(engines, corpus):
+    """Sequential prompts across block boundaries, each KV READ by NIXL: tokens equal, one
+    transfer per prompt and no failure (no recompute), the same bytes counted on both sides."""
+    lengths = [1, 127, 128, 129, 700, 1600]
+    before = await engines["d_nixl"].stats.remote()
+    sent_before = (await engines["p_nixl"].stats.remote()).kv.counters.bytes_sent
+    differ = []
+    for n in lengths:
+        prompt = corpus[1000 - n // 2 : 1000 - n // 2 + n]
+        got = await disaggregated(engines["p_nixl"], engines["d_nixl"], prompt, BATCH_MAX_TOKENS)
+        if got.tokens != await reference(engines["ref"], prompt, BATCH_MAX_TOKENS):
+            differ.append(n)
+    assert not differ, f"prompt lengths whose tokens differ over nixl: {differ}"
+    after = await engines["d_nixl"].stats.remote()
+    received = after.kv.counters.bytes_received - before.kv.counters.bytes_received
+    assert after.kv.counters.transfers_received - before.kv.counters.transfers_received == 6
+    assert not after.kv.counters.failures
+    assert after.handovers_total - before.handovers_total == len(lengths)
+    assert after.handovers_recomputed_total == 0, after.last_recompute
+    sent = (await engines["p_nixl"].stats.remote()).kv.counters.bytes_sent - sent_before
+    assert received == sent > 0
+
+
+async def test_nothing_is_left_held_after_the_requests(engines):
+    for name, sent in (("p", 22 + len(LENGTHS)), ("p_nixl", 6 + len(LENGTHS))):
+
+        async def drained(name=name):
+            stats = await engines[name].stats.remote()
+            return stats.kv.gauges.blocks_held == 0 and stats.kv_cache_usage == 0.0
+
+        await wait_for(drained, 15, f"{name} to free every held block")
+        stats = await engines[name].stats.remote()
+        assert stats.kv.counters.transfers_sent >= sent, (name, stats.kv.counters)
+        assert stats.kv.counters.leases_expired == 0, name

@@ -21,13 +21,16 @@ look, no engine process replaced, and no KV block held by any node 2 s after the
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -164,6 +167,27 @@ def _schemas() -> dict[str, dict]:
     }
 
 
+def _with_defs(sub: dict, defs: dict) -> dict:
+    """A property's sub-schema with the definitions it refers to, and only those (the library
+    checks every schema it builds against the metaschema: with all the request's definitions
+    in each, that was most of a draw's time)."""
+    needed: dict = {}
+    todo = [sub]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                name = ref.removeprefix("#/$defs/")
+                if name not in needed:
+                    needed[name] = defs[name]
+                    todo.append(defs[name])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return {**sub, "$defs": needed} if needed else sub
+
+
 def _strategies():
     """(path, mode, fields) with mode "whole" (a tenth: a body drawn from the whole schema) or
     "grafted" (one to three of the schema's own properties, each drawn from its sub-schema)."""
@@ -172,9 +196,8 @@ def _strategies():
 
     whole, grafted = [], []
     for path, schema in _schemas().items():
-        defs = {"$defs": schema["$defs"]} if "$defs" in schema else {}
         fields = {
-            name: from_schema({**sub, **defs})
+            name: from_schema(_with_defs(sub, schema.get("$defs", {})))
             for name, sub in schema["properties"].items()
             if name not in ("model", "prompt", "messages")
         }
@@ -190,7 +213,30 @@ def _strategies():
 
 
 def draw(count: int, seed: int) -> list[tuple[str, str, dict]]:
-    """`count` (path, mode, fields) triples drawn from the request schemas, reproducibly."""
+    """`count` (path, mode, fields) triples drawn from the request schemas, reproducibly: the
+    same schemas, libraries, this file and seed give the same draw, so it is kept on disk under
+    their hash (building the strategies and drawing take seconds)."""
+    from importlib.metadata import version
+
+    from pdserve_core.model_prep import cache_dir
+
+    key = json.dumps(
+        [_schemas(), version("hypothesis"), version("hypothesis-jsonschema"), count, seed],
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(key.encode() + Path(__file__).read_bytes()).hexdigest()[:24]
+    kept = cache_dir() / "fuzz" / f"draw-{digest}.json"
+    if kept.is_file():
+        return [tuple(triple) for triple in json.loads(kept.read_text())]
+    drawn = _draw(count, seed)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(drawn))
+    partial.replace(kept)
+    return drawn
+
+
+def _draw(count: int, seed: int) -> list[tuple[str, str, dict]]:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
 

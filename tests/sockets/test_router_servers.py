@@ -445,6 +445,7 @@ async def test_both_faces_speak_mutual_tls_when_configured(router, tmp_path):
     from router.faces.connections import uvicorn_config
     from tests.helpers.certs import issue
 
+    router.reset()  # fake nodes as made (a test before may have slowed them)
     ca = trustme.CA()
     server_files = issue(tmp_path / "router", ("127.0.0.1",), ca)
     client_files = issue(tmp_path / "client", ("client.example",), ca)
