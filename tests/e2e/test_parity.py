@@ -29,7 +29,8 @@ CONFIG = {
 }
 pytestmark = pytest.mark.timeout(1800)
 """The first test's setup serves every system in turn (the `answers` fixture: four servers,
-their cases and vLLM's own tests), 14-15 minutes on a 2-core host: past the suite's 900 s."""
+their cases and vLLM's own tests), 11 minutes on a 2-core bf16 host (15 before the cases went four
+at a time), more on a slower one: near or past the suite's 900 s."""
 
 VLLM_TESTED = ("vllm", "disaggregated", "default")
 """The servers vLLM's own entrypoint tests run against (scripts/vllm_entrypoint_tests.py):
