@@ -1,10 +1,11 @@
 """pdserve's nixl plane on device memory: a KV server in one process, a client in another, the
 blocks READ by NIXL from one CUDA cache into the other (UCX's cuda_ipc / cuda_copy on one GPU),
-every byte compared, throughput per payload. The device check for a lent GPU machine; with
-`--device cpu` the same run on host memory (a smoke test anywhere).
+every byte compared, throughput per payload. `--plane tcp` runs pdserve's TCP plane instead (each
+run staged through a host buffer on both sides), the figure NIXL replaces. The device check for a
+lent GPU machine; with `--device cpu` the same run on host memory (a smoke test anywhere).
 
-    python benchmarks/nixl_gpu.py [--device cuda] [--sizes-mib 16 64 256] [--repeats 5]
-        [--out results/nixl_gpu.json]
+    python benchmarks/nixl_gpu.py [--device cuda] [--plane nixl|tcp] [--sizes-mib 16 64 256]
+        [--repeats 5] [--out results/nixl_gpu.json]
 """
 
 from __future__ import annotations
@@ -37,14 +38,20 @@ def caches(num_blocks: int, device: str, seed: int | None):
             for i in range(LAYERS)}  # fmt: skip
 
 
-def plane(kv):
+def plane(kv, kind: str = "nixl"):
     from pdserve_core.kv.layout import describe
+
+    layout = describe(kv, "check", BLOCK_SIZE, HEADS, HEAD_DIM, 0, 1, kind)
+    if kind == "tcp":
+        from pdserve_core.kv.transport.tcp import TcpPlane
+
+        return TcpPlane(layout, kv)
     from pdserve_core.kv.transport.nixl import NixlPlane
 
-    return NixlPlane(describe(kv, "check", BLOCK_SIZE, HEADS, HEAD_DIM, 0, 1, "nixl"), kv)
+    return NixlPlane(layout, kv)
 
 
-def serve(num_blocks: int, device: str, offers, ports, stop) -> None:
+def serve(num_blocks: int, device: str, kind: str, offers, ports, stop) -> None:
     """Child process: the producer, offering what the parent asks for."""
     import threading
 
@@ -53,7 +60,7 @@ def serve(num_blocks: int, device: str, offers, ports, stop) -> None:
     from prefill_node.leases import ProducerTable
 
     table = ProducerTable()
-    server = KVServer(plane(caches(num_blocks, device, seed=1)), table, lambda: SECRET,
+    server = KVServer(plane(caches(num_blocks, device, seed=1), kind), table, lambda: SECRET,
                       TransferStats(), engine_id="check")  # fmt: skip
     ports.put(server.start())
 
@@ -68,9 +75,25 @@ def serve(num_blocks: int, device: str, offers, ports, stop) -> None:
     server.close()
 
 
+def answer(ports, child, timeout_s: float):
+    """The producer's next answer; an error as soon as it has died (a plane that failed to start)
+    rather than at the deadline."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return ports.get(timeout=0.5)
+        except queue.Empty:
+            if not child.is_alive():
+                raise SystemExit(f"the producer exited ({child.exitcode}), error above") from None
+    raise SystemExit(f"the producer did not answer in {timeout_s:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--plane", choices=("nixl", "tcp"), default="nixl")
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="results/nixl_gpu.json")
@@ -85,11 +108,13 @@ def main() -> None:
     num_blocks = max(sizes.values()) * 2
     ctx = multiprocessing.get_context("spawn")
     offers, ports, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=serve, args=(num_blocks, args.device, offers, ports, stop))
+    child = ctx.Process(
+        target=serve, args=(num_blocks, args.device, args.plane, offers, ports, stop)
+    )
     child.start()
-    port = ports.get(timeout=300)
+    port = answer(ports, child, 300)
     local = caches(num_blocks, args.device, seed=None)
-    side = plane(local)
+    side = plane(local, args.plane)
     client = KVClient(side, lambda: SECRET)
     source = caches(num_blocks, "cpu", seed=1)  # the producer's bytes, to compare with
     rows, pulls = [], 0
@@ -102,9 +127,9 @@ def main() -> None:
                 local_ids = list(range(num_blocks - blocks, num_blocks))
                 request = f"check-{pulls}"
                 offers.put((request, remote))
-                assert ports.get(timeout=30) == "ok"
+                assert answer(ports, child, 30) == "ok"
                 handle = KVHandle("127.0.0.1", (port,), request, tuple(remote), blocks,
-                                  time.time() + 60, "check", "nixl")  # fmt: skip
+                                  time.time() + 60, "check", args.plane)  # fmt: skip
                 started = time.perf_counter()
                 client.pull(handle, remote, local_ids, 0, time.monotonic() + 60)
                 if args.device.startswith("cuda"):
@@ -124,7 +149,13 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    record = {"device": device, "memory": side.memory, "repeats": args.repeats, "rows": rows}
+    record = {
+        "device": device,
+        "plane": args.plane,
+        "memory": args.device,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written to {out}")
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pdserve_core.kv.settings import DEFAULTS as KV_DEFAULTS
 from pdserve_core.kv.settings import TRANSPORTS as KV_TRANSPORTS
 from pdserve_core.kv.settings import UCX_NAME as KV_UCX_NAME
-from pdserve_core.kv.settings import ConnectorSettings
+from pdserve_core.kv.settings import ConnectorSettings, check_ucx
 from pdserve_core.tls import ServerFiles, server_context
 
 DEFAULT_MODEL = "default"
@@ -396,8 +396,9 @@ class KVTransferConfig(_Strict):
     ucx: dict[str, str] = Field(default_factory=dict)
     """The `nixl` plane's UCX settings, by variable name without the `UCX_` prefix, set in every
     engine's environment: e.g. {"TLS": "rc,cuda_copy,cuda_ipc", "NET_DEVICES": "mlx5_0:1"} on an
-    InfiniBand cluster, {"TLS": "tcp"} to keep KV on TCP. Empty: UCX picks (pdserve only sets
-    256 KiB TCP segments, unless the environment sets them)."""
+    InfiniBand cluster, {"TLS": "tcp"} to keep KV on TCP. A TLS list needs one transport NIXL's
+    messages can travel on (tcp, rc, dc, ud, ib): cuda_ipc and cuda_copy alone do not start.
+    Empty: UCX picks (pdserve only sets 256 KiB TCP segments, unless the environment sets them)."""
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = KV_DEFAULTS.host
@@ -430,6 +431,7 @@ class KVTransferConfig(_Strict):
         for name in ucx:
             if not KV_UCX_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a UCX variable name (e.g. TLS, NET_DEVICES)")
+        check_ucx(ucx)
         return ucx
 
     tls: KVTLSConfig | None = None

@@ -21,6 +21,31 @@ SECRET_ENV = "PDSERVE_KV_SECRET"
 TRANSPORTS = tuple(PLANES)
 LOADS = ("sync", "async")
 UCX_NAME = re.compile(r"(UCX_)?[A-Z][A-Z0-9_]*")
+UCX_MESSAGE_TLS = frozenset(
+    ("all", "tcp", "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+     "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5")
+)  # fmt: skip
+"""UCX transports that carry NIXL's messages: active messages with peer-failure handling. The
+others move bytes only (cuda_ipc, cuda_copy, cma) or cannot report a dead peer (sm, posix,
+sysv, self); a TLS list of those alone fails NIXL's UCX backend at start (seen on an H200:
+"no active messages transport")."""
+
+
+def check_ucx(ucx: dict) -> None:
+    """Refuse UCX settings the nixl plane cannot start with: names that are not UCX variables,
+    and a positive `TLS` list with no transport for NIXL's messages."""
+    for name, value in ucx.items():
+        if not UCX_NAME.fullmatch(str(name)) or not isinstance(value, str | int):
+            raise ValueError(f"ucx: {name!r}={value!r} is not a UCX variable and its value")
+        if str(name).removeprefix("UCX_") != "TLS" or str(value).startswith("^"):
+            continue
+        chosen = {part.strip().split(":")[0] for part in str(value).split(",")}
+        if not chosen & UCX_MESSAGE_TLS:
+            raise ValueError(
+                f"ucx: TLS={value!r} has no transport NIXL can send its messages over (tcp, rc, "
+                f"dc, ud or ib) and its UCX backend would not start: add one, e.g. "
+                f"'{value},tcp'"
+            )
 
 
 @dataclass(frozen=True)
@@ -82,9 +107,7 @@ class ConnectorSettings:
         if extra.get("peer_hosts") is not None:
             extra["peer_hosts"] = tuple(str(host) for host in extra["peer_hosts"])
         settings = cls(**extra)
-        for name, value in (settings.ucx or {}).items():
-            if not UCX_NAME.fullmatch(str(name)) or not isinstance(value, str | int):
-                raise ValueError(f"ucx: {name!r}={value!r} is not a UCX variable and its value")
+        check_ucx(settings.ucx or {})
         if settings.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {settings.transport!r}")
         if settings.load not in LOADS:

@@ -188,9 +188,27 @@ def test_set_reaches_any_field_by_its_path_and_refuses_what_the_schema_does(monk
     for bad, says in (
         ("kv_transfer.transport=udp", "kv_transfer.transport"),
         ("kv_transfer.ucx={tls; rm: x}", "not a UCX variable name"),
+        ("kv_transfer.ucx={TLS: 'cuda_ipc,cuda_copy'}", "no transport NIXL can send its messages"),
         ("kv_transfer.nope=1", "kv_transfer.nope"),
         ("transport", "write KEY=VALUE"),
         ("model.x=1", "model is a value, not a section"),
     ):
         assert cli.main(["serve", "--set", bad]) == 2, bad
         assert says in capsys.readouterr().err, bad
+
+
+def test_a_ucx_transport_list_must_carry_nixls_messages():
+    """NIXL's UCX backend needs a transport for its active messages with peer-failure handling:
+    a TLS list of copy-only transports failed it at start on an H200 (results/nixl_gpu)."""
+    from pdserve_core.kv.settings import ConnectorSettings, check_ucx
+
+    for fine in ("tcp", "rc,cuda_copy,cuda_ipc", "cuda_ipc,cuda_copy,tcp", "^cuda_ipc", "all",
+                 "rc_x,dc_mlx5", "ib"):  # fmt: skip
+        check_ucx({"TLS": fine})
+        check_ucx({"UCX_TLS": fine})
+    for bad in ("cuda_ipc,cuda_copy", "sm,self", "cma", "cuda_ipc,cuda_copy,sm,self"):
+        with pytest.raises(ValueError, match="no transport NIXL can send its messages over"):
+            check_ucx({"UCX_TLS": bad})
+        with pytest.raises(ValueError, match="no transport NIXL"):
+            ConnectorSettings.from_extra({"transport": "nixl", "ucx": {"TLS": bad}})
+    check_ucx({"NET_DEVICES": "cuda_ipc"})  # only TLS names transports
