@@ -382,8 +382,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "duration_s": args.duration_s,
         "systems": args.systems,
         "slos": [vars(slo) for slo in args.slos],
-        "fairness": "adaptive / remote: prefill engine on core 0 + decode engine on core 1, one "
-        "thread each; colocated and vllm: one engine with two threads on cores 0-1; same engine "
+        "fairness": "; ".join(
+            f"{system}: {sweep_.describe_layout(system, compare.REPO, args.overrides)}"
+            for system in args.systems
+            if system != "vllm"
+        )
+        + "; vllm: one engine with two threads on cores 0-1; same engine "
         f"settings ({sweep_.engines_dtype(compare.REPO, args.overrides)}, eager, max_model_len "
         "2048, 64 sequences, tcmalloc and Intel OpenMP preloaded), fresh server per system.",
         "points": points,
@@ -439,8 +443,8 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
             "think_s start_every_s seed overrides".split()
         },
         "machine": _machine(),
-        "fairness": "pdserve: prefill engine on core 0 + decode engine on core 1, one thread "
-        "each; vllm: one engine with two threads on cores 0-1; same engine settings, prefix "
+        "fairness": f"pdserve: {sweep_.describe_layout('adaptive', compare.REPO, args.overrides)}"
+        "; vllm: one engine with two threads on cores 0-1; same engine settings, prefix "
         "caching on in all; the same conversations; fresh server per system.",
         "runs": runs,
         "kv_bytes_per_token": conv.kv_bytes_per_token(),

@@ -160,10 +160,10 @@ def engines_dtype(repo: Path, overrides: Sequence[str] = ()) -> str:
     return resolve(parse_config(data).engine.dtype, gpu=False)
 
 
-def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str] = ()) -> Path:
-    """The config file a pdserve system serves with: the repo's, with the placement mode set and
-    `overrides` ("dotted.key=YAML value") applied. `blind` is `adaptive` without prefix-aware
-    routing."""
+def config_data(system: str, repo: Path, overrides: Sequence[str] = ()) -> dict:
+    """The config a pdserve system serves with, as YAML data: the repo's, with the placement mode
+    set and `overrides` ("dotted.key=YAML value") applied. `blind` is `adaptive` without
+    prefix-aware routing."""
     name = "local-cpu-colocated.yaml" if system == "colocated" else "local-cpu.yaml"
     data = yaml.safe_load((repo / "deploy/config" / name).read_text())
     if system != "colocated":
@@ -172,6 +172,32 @@ def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str]
         if system == "blind":
             router["prefix_aware"] = False
     apply_overrides(data, overrides)
+    return data
+
+
+def describe_layout(system: str, repo: Path, overrides: Sequence[str] = ()) -> str:
+    """Where a pdserve system's engines run, read from the config it serves with (so a `--set`
+    that moves them is reported as run): "prefill engine on cores 0-1, 2 threads + ..."."""
+    from pdserve_core.config import parse_config
+
+    config = parse_config(config_data(system, repo, overrides))
+    pools = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
+    parts = []
+    for role in pools:
+        pool = getattr(config.pools, role)
+        threads = config.engine.omp_threads or max(1, int(pool.num_cpus))
+        binds = list(dict.fromkeys(pool.cpu_bind))
+        several = len(binds) > 1 or any(mark in b for b in binds for mark in "-,")
+        where = f"on core{'s' * several} {' / '.join(binds)}" if binds else "unbound"
+        count = f"{pool.replicas}× " if pool.replicas != 1 else ""
+        name = "one engine" if role == "colocated" else f"{role} engine"
+        parts.append(f"{count}{name} {where}, {threads} thread{'s' * (threads != 1)}")
+    return " + ".join(parts)
+
+
+def pdserve_config(system: str, repo: Path, work: Path, overrides: Sequence[str] = ()) -> Path:
+    """The config file a pdserve system serves with (`config_data`), written into `work`."""
+    data = config_data(system, repo, overrides)
     path = work / f"{system}.yaml"
     path.write_text(yaml.safe_dump(data))
     from pdserve_core.config import load_config

@@ -374,3 +374,19 @@ def test_what_crossed_is_read_from_the_routers_metrics():
 
     moved = conv.difference(conv.crossing(text(300, 7)), conv.crossing(text(100, 2)))
     assert moved == {"kv_transfer_bytes/received": 200, "kv_handover_blocks/cached": 5}
+
+
+def test_a_sweep_reports_the_layout_its_overrides_made():
+    """The report's "Systems:" line is read from the config each system served with: a `--set`
+    that shares the cores says so instead of the default's one core per engine."""
+    from pdserve.bench.sweep import describe_layout
+    from tests.conftest import REPO as repo
+
+    assert describe_layout("adaptive", repo) == (
+        "prefill engine on core 0, 1 thread + decode engine on core 1, 1 thread"
+    )
+    assert describe_layout("colocated", repo) == "one engine on cores 0-1, 2 threads"
+    shared = ["engine.omp_threads=2", "pools.prefill.cpu_bind=['0-1']", "pools.decode.cpu_bind=[]"]
+    assert describe_layout("remote", repo, [*shared, "pools.decode.replicas=2"]) == (
+        "prefill engine on cores 0-1, 2 threads + 2× decode engine unbound, 2 threads"
+    )
