@@ -213,6 +213,29 @@ def _log_autoscale(config: PDServeConfig) -> None:
     )
 
 
+def layout_advice(config: PDServeConfig, host_cores: int | None = None) -> str | None:
+    """What a user on a small CPU host should be told about the split it is getting: measured on
+    two cores (docs/design.md, "Two cores"), one engine on both cores serves uniform prompts
+    faster, the split streams smoothly past long prompts. None where that does not apply (a GPU,
+    a joined cluster, colocated, more cores than measured)."""
+    if config.mode != "disaggregated" or config.ray.address:
+        return None
+    pools = config.pools
+    if pools.prefill.num_gpus or pools.decode.num_gpus:
+        return None
+    cores = config.ray.num_cpus or host_cores or os.cpu_count() or 1
+    threads = config.engine.omp_threads or max(1, int(pools.decode.num_cpus))
+    if cores > 2 or threads >= cores:
+        return None
+    return (
+        f"this host has {cores} cores and the decode engine {threads} thread"
+        f"{'s' * (threads != 1)}: measured on such a host, uniform prompts are served faster by "
+        "one engine on both cores (--set mode=colocated: plain vLLM's speed), and this split "
+        "streams more smoothly when long prompts arrive among streams (docs/design.md, "
+        "'Two cores'; results/bench/layouts)"
+    )
+
+
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     from router import build
     from router.decides.admission import Admission
@@ -231,6 +254,9 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     except (TypeError, ValueError) as error:
         logger.error("router.vllm_args: %s", error)
         return 2
+    advice = layout_advice(config)
+    if advice:
+        logger.warning("layout: %s", advice)
     owns_ray = _init_ray(config)
     actors: list = []
     try:

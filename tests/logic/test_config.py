@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pdserve_core.config import ConfigError, PDServeConfig, load_config, parse_config
+from pdserve_core.config import ConfigError, PDServeConfig, load_config, parse_config, with_settings
 from tests.conftest import REPO
 
 
@@ -212,3 +212,17 @@ def test_a_ucx_transport_list_must_carry_nixls_messages():
         with pytest.raises(ValueError, match="no transport NIXL"):
             ConnectorSettings.from_extra({"transport": "nixl", "ucx": {"TLS": bad}})
     check_ucx({"NET_DEVICES": "cuda_ipc"})  # only TLS names transports
+
+
+def test_a_small_cpu_host_is_told_which_layout_the_measurements_favour():
+    """On two cores the split loses uniform traffic to one engine (results/bench/layouts): the
+    default config says so at start, and only where that measurement applies."""
+    from pdserve.serve import layout_advice
+
+    default = load_config(REPO / "deploy/config/local-cpu.yaml")
+    said = layout_advice(default, host_cores=2)
+    assert said and "--set mode=colocated" in said and "2 cores" in said and "1 thread:" in said
+    assert layout_advice(default, host_cores=8) is None  # more cores than were measured
+    for change in ("mode=colocated", "engine.omp_threads=2", "pools.decode.num_gpus=1",
+                   "ray.address=127.0.0.1:6379"):  # fmt: skip
+        assert layout_advice(with_settings(default, [change]), host_cores=2) is None, change
