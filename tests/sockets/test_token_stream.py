@@ -1,6 +1,7 @@
 """The token path (pdserve_core/engine/deltas.py, router/links/token_stream.py) between a real Ray
 actor and the router's client, over a real loopback socket: the engine actor's relay with its
-streaming methods replaced by scripted ones (no vLLM).
+streaming methods replaced by scripted ones (no vLLM); and Ray's own streaming calls
+(`router.token_stream: ray`) when the caller leaves early.
 
 One Ray for the whole file, in a subprocess: each check prints one line, the test asserts them.
 """
@@ -209,6 +210,41 @@ async def main():
     except NodeFailed as error:  # told as a death (it counts toward a request's poison limit)
         print("DIED", time.monotonic() - started < 10, error.died)
 
+    # 9. over Ray's own streaming calls (router.token_stream: ray), a caller leaving after one of
+    # n sequences ended stops the rest on the node
+    await early_close()
+
+
+class EarlyClose:
+    def __init__(self):
+        self.ended = None
+
+    async def stream(self, leg):
+        try:
+            yield TokenDelta([1], "a", finish_reason="length", index=0)  # sequence 0 is done
+            await asyncio.sleep(3600)  # sequence 1 still decoding
+            yield TokenDelta([2], "b", finish_reason="length", index=1)
+        except asyncio.CancelledError:
+            self.ended = "cancelled"
+            raise
+
+    async def ended_how(self):
+        return self.ended
+
+
+async def early_close():
+    node = ray.remote(EarlyClose).options(num_cpus=0).remote()
+    client = RayNodeClient(node, direct=False)
+    stream = client.stream(Whole("e1", [1], None))
+    first = await anext(stream)
+    await stream.aclose()  # the caller leaves while sequence 1 runs
+    deadline = time.monotonic() + 30
+    while await node.ended_how.remote() != "cancelled" and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    ended = await node.ended_how.remote()
+    print("EARLY_CLOSE", first.finish_reason == "length" and first.index == 0, ended == "cancelled")
+
+
 ray.init(num_cpus=2, include_dashboard=False)
 asyncio.run(main())
 ray.shutdown()
@@ -227,6 +263,7 @@ CHECKS = (
     "UNKNOWN_KEY",
     "TLS",
     "DIED",
+    "EARLY_CLOSE",
 )
 
 
