@@ -8,7 +8,7 @@
 #   - the catalog entry pdserve detects for the GPU and the peaks its utilization would divide by;
 #   - benchmarks/gpu_roofline.py for LLaMA-3 8B's and 70B's MLP projection (GEMV to GEMM);
 #   - benchmarks/nixl_gpu.py: KV blocks pulled between two processes' CUDA caches by the nixl
-#     plane (UCX's choice), the same with UCX held to host-staged copies, and pdserve's TCP plane,
+#     plane (pdserve's UCX defaults), the same held to host-staged copies, and pdserve's TCP plane,
 #     every byte compared.
 # Results of 2026-12-04: results/plan/gpu, results/nixl_gpu.
 set -u

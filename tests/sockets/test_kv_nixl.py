@@ -196,6 +196,12 @@ def test_ucx_settings_reach_the_environment_before_ucx_starts(monkeypatch):
         "UCX_TLS": "rc,cuda_copy",  # the config over the environment
         "UCX_NET_DEVICES": "mlx5_0:1",
     }  # UCX_TCP_RX_SEG_SIZE: the environment's 128k stays
+    ipc = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.setenv(ipc, "restored after the test")
+    monkeypatch.delenv(ipc)
+    assert ipc not in apply_ucx_env({})  # a cache in host memory: no GPU defaults
+    assert apply_ucx_env({}, gpu=True)[ipc] == "y"  # a GPU cache: READs over CUDA IPC
+    assert apply_ucx_env({"CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, gpu=True)[ipc] == "n"  # config wins
     with pytest.raises(ValueError, match="not a UCX variable"):
         ConnectorSettings.from_extra({"secret": "s", "transport": "nixl", "ucx": {"tls; rm": "x"}})
     assert ConnectorSettings.from_extra({"secret": "s", "ucx": {"TLS": "tcp"}}).ucx == {
