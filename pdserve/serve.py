@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools, ray_node_client
-from pdserve_core.config import DEFAULT_MODEL, PDServeConfig
+from pdserve_core.config import DEFAULT_MODEL, PDServeConfig, engine_threads
 from pdserve_core.model_prep import prepare_default_model
 from pdserve_core.roofline.serving import default_chunk_size
 
@@ -224,7 +224,7 @@ def layout_advice(config: PDServeConfig, host_cores: int | None = None) -> str |
     if pools.prefill.num_gpus or pools.decode.num_gpus:
         return None
     cores = config.ray.num_cpus or host_cores or os.cpu_count() or 1
-    threads = config.engine.omp_threads or max(1, int(pools.decode.num_cpus))
+    threads = engine_threads(config.engine, pools.decode)
     if cores > 2 or threads >= cores:
         return None
     return (

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pdserve_core.kv.settings import DEFAULTS as KV_DEFAULTS
 from pdserve_core.kv.settings import TRANSPORTS as KV_TRANSPORTS
-from pdserve_core.kv.settings import UCX_NAME as KV_UCX_NAME
 from pdserve_core.kv.settings import ConnectorSettings, check_ucx
 from pdserve_core.tls import ServerFiles, server_context
 
@@ -120,6 +119,12 @@ CPU_PRELOADS = {
     "iomp": (f"{sys.prefix}/lib/libiomp5.so", "/usr/lib/*-linux-gnu/libiomp5.so"),
 }
 """Where each library `engine.cpu_preload` names is looked for (the first file found wins)."""
+
+
+def engine_threads(engine: EngineConfig, pool: PoolConfig) -> int:
+    """OpenMP threads of one CPU engine of `pool`: `engine.omp_threads`, else the pool's CPU
+    share."""
+    return engine.omp_threads or max(1, int(pool.num_cpus))
 
 
 def cpu_preload_paths(names: list[str]) -> list[str]:
@@ -428,9 +433,6 @@ class KVTransferConfig(_Strict):
     @field_validator("ucx")
     @classmethod
     def _ucx_names(cls, ucx: dict[str, str]) -> dict[str, str]:
-        for name in ucx:
-            if not KV_UCX_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not a UCX variable name (e.g. TLS, NET_DEVICES)")
         check_ucx(ucx)
         return ucx
 

@@ -178,14 +178,14 @@ def config_data(system: str, repo: Path, overrides: Sequence[str] = ()) -> dict:
 def describe_layout(system: str, repo: Path, overrides: Sequence[str] = ()) -> str:
     """Where a pdserve system's engines run, read from the config it serves with (so a `--set`
     that moves them is reported as run): "prefill engine on cores 0-1, 2 threads + ..."."""
-    from pdserve_core.config import parse_config
+    from pdserve_core.config import engine_threads, parse_config
 
     config = parse_config(config_data(system, repo, overrides))
     pools = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
     parts = []
     for role in pools:
         pool = getattr(config.pools, role)
-        threads = config.engine.omp_threads or max(1, int(pool.num_cpus))
+        threads = engine_threads(config.engine, pool)
         binds = list(dict.fromkeys(pool.cpu_bind))
         several = len(binds) > 1 or any(mark in b for b in binds for mark in "-,")
         where = f"on core{'s' * several} {' / '.join(binds)}" if binds else "unbound"

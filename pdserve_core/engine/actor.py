@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from pdserve_core.config import EngineConfig, PoolConfig, cpu_preload_paths
+from pdserve_core.config import EngineConfig, PoolConfig, cpu_preload_paths, engine_threads
 from pdserve_core.engine import dtype
 from pdserve_core.engine.deltas import END, DeltaServer, ending, server_tls
 from pdserve_core.engine.legs import Whole
@@ -78,7 +78,7 @@ def _gpu_name() -> str | None:
 
 def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str, str]:
     """Environment for one engine actor (passed through Ray's runtime_env)."""
-    threads = engine.omp_threads or max(1, int(pool.num_cpus))
+    threads = engine_threads(engine, pool)
     bind = pool.cpu_bind[replica % len(pool.cpu_bind)] if pool.cpu_bind else "nobind"
     env = {
         "OMP_NUM_THREADS": str(threads),

@@ -36,7 +36,10 @@ def check_ucx(ucx: dict) -> None:
     and a positive `TLS` list with no transport for NIXL's messages."""
     for name, value in ucx.items():
         if not UCX_NAME.fullmatch(str(name)) or not isinstance(value, str | int):
-            raise ValueError(f"ucx: {name!r}={value!r} is not a UCX variable and its value")
+            raise ValueError(
+                f"ucx: {name!r}={value!r}: not a UCX variable name (e.g. TLS, NET_DEVICES) and "
+                "its value"
+            )
         if str(name).removeprefix("UCX_") != "TLS" or str(value).startswith("^"):
             continue
         chosen = {part.strip().split(":")[0] for part in str(value).split(",")}
