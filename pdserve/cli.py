@@ -53,6 +53,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             router["api_key"] = args.api_key
         if args.enable_prompt_tokens_details:
             router["enable_prompt_tokens_details"] = True
+        if args.layout == "auto":
+            overrides["layout"] = {**config.layout.model_dump(), "auto": True}
         if args.host:
             router["host"] = args.host
         if args.port is not None:
@@ -80,6 +82,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _warn_plain_text(config)
     if args.cache_dir:
         os.environ["PDSERVE_CACHE_DIR"] = args.cache_dir
+    if config.layout.auto:
+        from pdserve.serve import resolve_model
+        from pdserve.sim.layout import auto_layout
+
+        config = auto_layout(config, resolve_model(config))
     return run(config, ready_file=args.ready_file)
 
 
@@ -221,6 +228,75 @@ def _cmd_plan_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+MIXES = {
+    "steady": {"prompt_len": 128, "output_len": 64, "long_prompt_len": 0},
+    "interference": {
+        "prompt_len": 64,
+        "output_len": 128,
+        "long_prompt_len": 1536,
+        "long_output_len": 16,
+        "long_every_s": 10.0,
+        "tpot_slo_s": None,
+        "max_gap_slo_s": 0.25,
+    },
+}
+"""`pdserve plan layout --mix`: `pdserve bench sweep`'s two mixes, each with the SLO it is judged
+by there (DistServe's for steady, smooth streaming for interference)."""
+TRAFFIC_FLAGS = (
+    ("prompt-len", int, "prompt tokens"),
+    ("output-len", int, "output tokens"),
+    ("long-prompt-len", int, "a long prompt's tokens (0: none)"),
+    ("long-output-len", int, "a long prompt's output tokens"),
+    ("long-every-s", float, "seconds between long prompts"),
+    ("ttft-slo-s", float, "SLO: time to first token"),
+    ("tpot-slo-s", float, "SLO: time per output token (0: not judged)"),
+    ("max-gap-slo-s", float, "SLO: the longest gap between chunks (0: not judged)"),
+)
+
+
+def _cmd_plan_layout(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.sim import layout
+    from pdserve_core.config import ConfigError, load_config, parse_config, with_settings
+
+    try:
+        config = load_config(args.config)
+        traffic = {**config.layout.model_dump(), **MIXES.get(args.mix or "", {})}
+        for flag, _, _ in TRAFFIC_FLAGS:
+            name = flag.replace("-", "_")
+            value = getattr(args, f"layout_{name}")
+            if value is not None:
+                traffic[name] = None if value == 0 and name.endswith("slo_s") else value
+        checked = [
+            parse_config({"layout": {**traffic, "rate": rate}}, "(command line)").layout
+            for rate in args.layout_rate or [config.layout.rate]
+        ]
+        model = layout.served_model_key(config, args.model, args.dtype)
+        cores = args.cores or config.ray.num_cpus or os.cpu_count() or 1
+        choices = [layout.choose(cores, model, t, args.calibration_dir) for t in checked]
+    except (ConfigError, ValueError) as error:
+        print(f"pdserve plan layout: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([layout.as_dict(c, t) for c, t in zip(choices, checked, strict=True)]))
+        return 0
+    print(f"{cores} cores, model {model}")
+    for choice, traffic in zip(choices, checked, strict=True):
+        print(f"\n{traffic.rate:g} requests/s: {choice.layout.name if choice.layout else 'keep'}")
+        for judged in choice.judged:
+            print(f"  {judged.describe()}")
+        print(f"  why: {choice.reason.split(': ', 1)[0]}")
+        if choice.layout is not None:
+            changes = [
+                f"--set '{item}'"
+                for item in choice.layout.settings()
+                if with_settings(config, [item]) != config
+            ]
+            print("  serve it: pdserve serve " + (" ".join(changes) or "(the config as it is)"))
+    return 0
+
+
 def _add_plan_parser(commands) -> None:
     from pdserve_core.roofline.specs import DEVICES, PRESETS, USER_DEVICE
 
@@ -283,7 +359,9 @@ def _add_plan_parser(commands) -> None:
     )
     plan.add_argument("--plot", metavar="FILE.png", help="write a roofline chart")
     plan.set_defaults(func=_cmd_plan)
-    actions = plan.add_subparsers(dest="plan_command", metavar="[calibrate]", required=False)
+    actions = plan.add_subparsers(
+        dest="plan_command", metavar="[calibrate | layout]", required=False
+    )
     cal = actions.add_parser(
         "calibrate",
         help="fit the step-time model from engines' own step records",
@@ -306,6 +384,40 @@ def _add_plan_parser(commands) -> None:
     cal.add_argument("--skip-steps", type=int, default=0, help="per node, leave out the first N")
     cal.add_argument("--out", help="folder to save to (default: <cache>/calibration)")
     cal.set_defaults(func=_cmd_plan_calibrate)
+    lay = actions.add_parser(
+        "layout",
+        help="which layout of one CPU host's cores serves a traffic best (simulated)",
+        description="Simulate the traffic on each layout one CPU host's cores allow (one engine "
+        "on every core; a prefill engine on k cores and a decode engine on the rest) with the "
+        "step models `pdserve plan calibrate` measured on this host for each engine's thread "
+        "count, and rank them by SLO attainment (ties: the faster median request). The traffic "
+        "is the config's `layout` section, then a --mix, then the flags below. `pdserve serve "
+        "--layout auto` makes the same choice at start. Calibrate each thread count first: on "
+        "2 cores the default config (1 thread per engine) and "
+        "deploy/config/local-cpu-colocated.yaml (2).",
+    )
+    lay.add_argument("--config", help="config whose `layout` section is the traffic")
+    lay.add_argument(
+        "--mix",
+        choices=list(MIXES),
+        help="bench sweep's mix and SLO: steady 128 → 64 under TTFT ≤ 1 s and TPOT ≤ 80 ms; "
+        "interference 64 → 128 plus 1536 → 16 every 10 s under TTFT ≤ 1 s and gaps ≤ 250 ms",
+    )
+    lay.add_argument(
+        "--rate", dest="layout_rate", type=float, nargs="+", help="requests/s (several: a table)"
+    )
+    for flag, kind, what in TRAFFIC_FLAGS:
+        lay.add_argument(f"--{flag}", dest=f"layout_{flag.replace('-', '_')}", type=kind, help=what)
+    lay.add_argument(
+        "--cores", type=int, help="the host's cores (default: ray.num_cpus, else this machine's)"
+    )
+    lay.add_argument("--model", help="model folder whose calibrations count (default: config's)")
+    lay.add_argument("--dtype", help="the engines' dtype (default: the config's, resolved here)")
+    lay.add_argument(
+        "--calibration-dir", help="where calibrations are (default: <cache>/calibration)"
+    )
+    lay.add_argument("--json", action="store_true", help="machine-readable output")
+    lay.set_defaults(func=_cmd_plan_layout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,6 +498,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="report cached prompt tokens in usage (router.enable_prompt_tokens_details)",
     )
     serve.add_argument(
+        "--layout",
+        choices=["auto"],
+        help="on one CPU host, choose the cores' layout (colocated, or a prefill/decode split) "
+        "for the traffic in the config's `layout` section from this host's calibrations, and "
+        "log why (layout.auto; `pdserve plan layout` shows the comparison)",
+    )
+    serve.add_argument(
         "--ready-file", help='write {"http": URL, "grpc": HOST:PORT} here once serving'
     )
     serve.add_argument(
@@ -412,6 +531,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so the servers and engines a command started (a bench's, a
+    calibration's) are stopped by the code that started them instead of being left behind."""
+    import signal
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -423,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if argv is None:  # a program, not a call: SIGTERM unwinds as Ctrl-C does
+        exit_on_sigterm()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -230,9 +230,10 @@ def layout_advice(config: PDServeConfig, host_cores: int | None = None) -> str |
     return (
         f"this host has {cores} cores and the decode engine {threads} thread"
         f"{'s' * (threads != 1)}: measured on such a host, uniform prompts are served faster by "
-        "one engine on both cores (--set mode=colocated: plain vLLM's speed), and this split "
-        "streams more smoothly when long prompts arrive among streams (docs/design.md, "
-        "'Two cores'; results/bench/layouts)"
+        "one engine on both cores (--set mode=colocated: plain vLLM's speed), this split "
+        "streams more smoothly when long prompts arrive among streams, and --layout auto "
+        "chooses for the traffic in the config's `layout` section (docs/design.md, 'Two "
+        "cores'; results/bench/layouts)"
     )
 
 
@@ -254,7 +255,7 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     except (TypeError, ValueError) as error:
         logger.error("router.vllm_args: %s", error)
         return 2
-    advice = layout_advice(config)
+    advice = None if config.layout.auto else layout_advice(config)  # auto: laid out by the CLI
     if advice:
         logger.warning("layout: %s", advice)
     owns_ray = _init_ray(config)

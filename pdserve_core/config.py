@@ -480,6 +480,36 @@ class RayConfig(_Strict):
     """CPUs of a locally started Ray. None: all of this machine's."""
 
 
+class LayoutConfig(_Strict):
+    """How one CPU host's cores are laid out when `auto` is on (`pdserve serve --layout auto`):
+    the candidates (one engine on every core; a prefill and a decode engine on cores of their
+    own) are simulated on this traffic with the step models calibrated on the host (`pdserve
+    plan calibrate`), and the one with the highest SLO attainment serves (`pdserve plan layout`
+    shows the comparison)."""
+
+    auto: bool = False
+    """Choose the layout at start. On one CPU host only: GPUs, a joined cluster or
+    `pools.autoscale` keep the config's layout. The chosen one has one engine per role."""
+    prompt_len: int = Field(128, ge=1)
+    """Prompt tokens of the traffic to serve."""
+    output_len: int = Field(64, ge=1)
+    """Output tokens of the traffic to serve."""
+    rate: float = Field(4.0, gt=0)
+    """Requests per second (Poisson) of the traffic to serve."""
+    long_prompt_len: int = Field(0, ge=0)
+    """A long prompt arriving among the streams every `long_every_s` (0: none)."""
+    long_output_len: int = Field(16, ge=1)
+    """Output tokens of those long prompts."""
+    long_every_s: float = Field(10.0, gt=0)
+    """How often a long prompt arrives."""
+    ttft_slo_s: float = Field(1.0, gt=0)
+    """The SLO: time to first token."""
+    tpot_slo_s: float | None = Field(0.08, gt=0)
+    """The SLO: mean time per output token after the first (None: not judged)."""
+    max_gap_slo_s: float | None = Field(None, gt=0)
+    """The SLO: the longest wait between two streamed chunks (None: not judged)."""
+
+
 class PDServeConfig(_Strict):
     model: str = DEFAULT_MODEL
     """A local Hugging Face model folder, or "default" for the embedded SmolLM2-135M-Instruct."""
@@ -490,6 +520,7 @@ class PDServeConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_transfer: KVTransferConfig = KVTransferConfig()
     ray: RayConfig = RayConfig()
+    layout: LayoutConfig = LayoutConfig()
 
     @field_validator("model")
     @classmethod

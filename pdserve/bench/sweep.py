@@ -301,7 +301,7 @@ def text(results: dict, slos: Sequence[Slo]) -> str:
         "",
         f"Machine: {results['machine']}. {results['duration_s']:.0f} s of Poisson arrivals per "
         f"point, the same requests for every system. SLOs: "
-        + "; ".join(_describe(slo) for slo in slos)
+        + "; ".join(describe_slo(slo) for slo in slos)
         + ".",
         f"Systems: {results['fairness']}",
         "",
@@ -359,7 +359,8 @@ def text(results: dict, slos: Sequence[Slo]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _describe(slo: Slo) -> str:
+def describe_slo(slo: Slo) -> str:
+    """`DistServe (TTFT ≤ 1 s and TPOT ≤ 80 ms)`."""
     parts = [f"TTFT ≤ {slo.ttft_s:g} s"]
     if slo.tpot_s is not None:
         parts.append(f"TPOT ≤ {slo.tpot_s * 1e3:g} ms")

@@ -58,10 +58,12 @@ def stop_and_check_nothing_left(process: subprocess.Popen) -> list[str]:
     return leftovers
 
 
-def start_server(work: Path, *extra_args: str, api_key: str | None = None) -> Server:
+def start_server(
+    work: Path, *extra_args: str, api_key: str | None = None, env: dict | None = None
+) -> Server:
     """Run `pdserve serve` (real Ray, real vLLM engines, real HTTP on a free loopback port)."""
     ready, log = work / "ready.json", work / "serve.log"
-    env = dict(os.environ, VLLM_RPC_BASE_PATH=str(work), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **(env or {}), VLLM_RPC_BASE_PATH=str(work), PYTHONUNBUFFERED="1")
     command = [
         sys.executable,
         "-m",
@@ -101,10 +103,25 @@ def finish_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server(default_model_dir, tmp_path_factory) -> Server:
-    from tests.conftest import REPO
+    """The colocated server (what deploy/config/local-cpu-colocated.yaml serves), laid out by
+    `--layout auto`: the default config, uniform traffic at 2 requests/s, the calibrations
+    measured on a 2-core host filed as this host's: one engine on both cores wins there."""
+    from pdserve_core.engine.dtype import native_dtype
+    from tests.helpers.layouts import file_measured_calibrations
 
-    config = REPO / "deploy/config/local-cpu-colocated.yaml"
-    server = start_server(tmp_path_factory.mktemp("serve"), "--config", str(config))
+    calibrations = file_measured_calibrations(
+        tmp_path_factory.mktemp("calibration"), native_dtype(gpu=False)
+    )
+    server = start_server(
+        tmp_path_factory.mktemp("serve"),
+        "--layout",
+        "auto",
+        "--set",
+        "layout.rate=2",
+        "--set",
+        "ray.num_cpus=2",
+        env={"PDSERVE_CALIBRATION_DIR": str(calibrations)},
+    )
     yield server
     finish_server(server)
 

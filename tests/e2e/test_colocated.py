@@ -98,3 +98,6 @@ def test_sigterm_stops_everything_it_started(server):
     assert leftovers == []
     log = server.log.read_text()
     assert "pdserve ready" in log and "pdserve stopped" in log
+    # `--layout auto` chose this layout by simulation and said why, with both candidates' figures
+    assert "layout: colocated (2 threads), simulated with this host's calibrations" in log
+    assert "partitioned 1+1: " in log and "colocated engine" in log

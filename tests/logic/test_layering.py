@@ -85,6 +85,7 @@ ALLOWED = {
         "pdserve.bench",
         "pdserve_core.config",
         "pdserve_core.engine",
+        "pdserve_core.model_prep",
         "pdserve_core.roofline",
         "router",
     },
