@@ -228,20 +228,25 @@ def _cmd_plan_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-MIXES = {
-    "steady": {"prompt_len": 128, "output_len": 64, "long_prompt_len": 0},
-    "interference": {
-        "prompt_len": 64,
-        "output_len": 128,
-        "long_prompt_len": 1536,
-        "long_output_len": 16,
-        "long_every_s": 10.0,
-        "tpot_slo_s": None,
-        "max_gap_slo_s": 0.25,
-    },
-}
-"""`pdserve plan layout --mix`: `pdserve bench sweep`'s two mixes, each with the SLO it is judged
-by there (DistServe's for steady, smooth streaming for interference)."""
+def _mix_traffic(name: str) -> dict:
+    """`pdserve plan layout --mix`: one of `pdserve bench sweep`'s mixes, with the SLO it is
+    judged by there (DistServe's for steady, smooth streaming for interference), as fields of
+    the config's `layout` section."""
+    from pdserve.bench.sweep import MIX_SLO, MIXES, SLOS
+
+    mix, slo = MIXES[name], SLOS[MIX_SLO[name]]
+    return {
+        "prompt_len": mix.prompt_len,
+        "output_len": mix.output_len,
+        "long_prompt_len": mix.long_prompt_len if mix.name == "interference" else 0,
+        "long_output_len": mix.long_output_len,
+        "long_every_s": mix.long_every_s,
+        "ttft_slo_s": slo.ttft_s,
+        "tpot_slo_s": slo.tpot_s,
+        "max_gap_slo_s": slo.max_gap_s,
+    }
+
+
 TRAFFIC_FLAGS = (
     ("prompt-len", int, "prompt tokens"),
     ("output-len", int, "output tokens"),
@@ -262,7 +267,7 @@ def _cmd_plan_layout(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        traffic = {**config.layout.model_dump(), **MIXES.get(args.mix or "", {})}
+        traffic = {**config.layout.model_dump(), **(_mix_traffic(args.mix) if args.mix else {})}
         for flag, _, _ in TRAFFIC_FLAGS:
             name = flag.replace("-", "_")
             value = getattr(args, f"layout_{name}")
@@ -298,6 +303,7 @@ def _cmd_plan_layout(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(commands) -> None:
+    from pdserve.bench.sweep import MIX_SLO
     from pdserve_core.roofline.specs import DEVICES, PRESETS, USER_DEVICE
 
     plan = commands.add_parser(
@@ -399,7 +405,7 @@ def _add_plan_parser(commands) -> None:
     lay.add_argument("--config", help="config whose `layout` section is the traffic")
     lay.add_argument(
         "--mix",
-        choices=list(MIXES),
+        choices=list(MIX_SLO),
         help="bench sweep's mix and SLO: steady 128 → 64 under TTFT ≤ 1 s and TPOT ≤ 80 ms; "
         "interference 64 → 128 plus 1536 → 16 every 10 s under TTFT ≤ 1 s and gaps ≤ 250 ms",
     )

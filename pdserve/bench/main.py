@@ -88,10 +88,11 @@ def add_parser(commands) -> None:
     sweep.add_argument("--warmup-requests", type=int, default=10, help="per system and mix")
     sweep.add_argument("--timeout-s", type=float, default=120.0, help="per request")
     sweep.add_argument("--seed", type=int, default=0)
-    sweep.add_argument("--ttft-slo-s", type=float, default=1.0, help="both SLOs")
-    sweep.add_argument("--tpot-slo-s", type=float, default=0.08, help="DistServe's SLO")
+    distserve, smooth = sweep_.SLOS["DistServe"], sweep_.SLOS["smooth"]
+    sweep.add_argument("--ttft-slo-s", type=float, default=distserve.ttft_s, help="both SLOs")
+    sweep.add_argument("--tpot-slo-s", type=float, default=distserve.tpot_s, help="DistServe's SLO")
     sweep.add_argument(
-        "--max-gap-slo-s", type=float, default=0.25, help="smooth streaming: longest gap"
+        "--max-gap-slo-s", type=float, default=smooth.max_gap_s, help="smooth: the longest gap"
     )
     _add_overrides(sweep)
     sweep.add_argument("--out", default="bench-sweep", help="folder for the report")

@@ -38,6 +38,8 @@ MIXES = {
     "interference": Workload("interference", 64, 128, long_prompt_len=1536, long_output_len=16),
     "steady": Workload("fixed", 128, 64),
 }
+MIX_SLO = {"steady": "DistServe", "interference": "smooth"}
+"""The SLO each mix is judged by first (docs/benchmarks.md)."""
 ATTAINMENT_GOAL = 0.9
 READINGS = ("strict", "lenient")
 
@@ -57,6 +59,13 @@ class Slo:
         if self.max_gap_s is not None and max_gap(record) > self.max_gap_s:
             return False
         return True
+
+
+SLOS = {
+    "DistServe": Slo("DistServe", 1.0, tpot_s=0.08),
+    "smooth": Slo("smooth", 1.0, max_gap_s=0.25),
+}
+"""The sweep's two SLOs at their default bounds (its flags change them)."""
 
 
 def max_gap(record: RequestRecord) -> float:

@@ -159,36 +159,28 @@ def simulate(
     from pdserve.bench.workload import Workload
     from pdserve.sim.cluster import NodeSpec, Topology
     from pdserve.sim.cluster import simulate as run_sim
-    from pdserve.sim.main import synthetic_requests
+    from pdserve.sim.main import (
+        CPU_LINK_GBS,
+        HANDOVER_MS,
+        LINK_LATENCY_MS,
+        calibrated_limits,
+        synthetic_requests,
+    )
 
     def node(threads: int, role: str) -> NodeSpec:
-        calibration = calibrations[threads]
-        engine = calibration.engine
-        return NodeSpec(
-            calibration.for_role(role),
-            int(engine.get("max_num_seqs") or 64),
-            int(engine.get("max_num_batched_tokens") or 2048),
-        )
+        seqs, chunk, _ = calibrated_limits(calibrations[threads])
+        return NodeSpec(calibrations[threads].for_role(role), seqs, chunk)
 
-    if layout.colocated:
-        pools = {"colocated": [node(layout.threads[0], "colocated")]}
-        overhead = calibrations[layout.threads[0]].engine
-    else:
-        pools = {
-            "prefill": [node(layout.threads[0], "prefill")],
-            "decode": [node(layout.threads[1], "decode")],
-        }
-        overhead = calibrations[layout.threads[0]].engine
-    model = calibrations[layout.threads[0]].model
-    config = with_settings(PDServeConfig(), layout.settings())
+    roles = ("colocated",) if layout.colocated else ("prefill", "decode")
+    first = calibrations[layout.threads[0]]  # the engine that takes each request first
     topology = Topology(
-        model,
-        **pools,
-        link_bytes_per_s=1e9,
-        link_latency_s=1e-3,
-        request_overhead_s=float(overhead.get("request_overhead_s") or 0.0),
-        handover_latency_s=5e-3,
-        config=config,
+        first.model,
+        **{role: [node(n, role)] for role, n in zip(roles, layout.threads, strict=True)},
+        link_bytes_per_s=CPU_LINK_GBS * 1e9,
+        link_latency_s=LINK_LATENCY_MS / 1e3,
+        request_overhead_s=calibrated_limits(first)[2],
+        handover_latency_s=HANDOVER_MS / 1e3,
+        config=with_settings(PDServeConfig(), layout.settings()),
     )
     workload = Workload(
         "interference" if traffic.long_prompt_len else "fixed",

@@ -24,7 +24,7 @@ from pdserve_core.config import (
     load_config,
 )
 from pdserve_core.roofline.specs import DEVICES, PRESETS, SpecError, load_model
-from pdserve_core.roofline.stepmodel import FitError, StepModel, load_calibration
+from pdserve_core.roofline.stepmodel import Calibration, FitError, StepModel, load_calibration
 
 ASSUMED_GPU = {
     "flops_efficiency": 0.6,
@@ -35,6 +35,23 @@ ASSUMED_GPU = {
 """The step model of a GPU nobody has calibrated yet: shares of the datasheet peaks a tuned
 engine reaches on large GEMMs and on weight streaming, and a step's fixed cost with CUDA graphs.
 Assumptions, not measurements (docs/design.md, "The simulator")."""
+
+CPU_LINK_GBS = 1.0
+"""The P→D KV link of a calibrated CPU host: loopback TCP."""
+LINK_LATENCY_MS = 1.0
+HANDOVER_MS = 5.0
+"""The router's relay of a prefilled request, beyond the KV pull."""
+
+
+def calibrated_limits(calibration: Calibration) -> tuple[int, int, float]:
+    """(max_num_seqs, max_num_batched_tokens, the router's added latency per request in
+    seconds) of the engines a calibration measured."""
+    engine = calibration.engine
+    return (
+        int(engine.get("max_num_seqs") or 64),
+        int(engine.get("max_num_batched_tokens") or 2048),
+        float(engine.get("request_overhead_s") or 0.0),
+    )
 
 
 def gpu_step_model(
@@ -148,9 +165,12 @@ def add_parser(commands) -> None:
         help="P→D KV link, GB/s (default: 1 with --calibration, loopback TCP on a CPU host; 50 "
         "with --gpu, a 400 Gb/s NIC)",
     )
-    t.add_argument("--link-latency-ms", type=_count_float, default=1.0)
+    t.add_argument("--link-latency-ms", type=_count_float, default=LINK_LATENCY_MS)
     t.add_argument(
-        "--handover-ms", type=_count_float, default=5.0, help="router relay of a prefilled request"
+        "--handover-ms",
+        type=_count_float,
+        default=HANDOVER_MS,
+        help="router relay of a prefilled request",
     )
     t.add_argument(
         "--config",
@@ -214,10 +234,8 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     if args.calibration:
         calibration = load_calibration(args.calibration)
         model, role_step = calibration.model, calibration.for_role
-        engine = calibration.engine
-        seqs = args.max_num_seqs or int(engine.get("max_num_seqs") or 64)
-        chunk = args.chunk or int(engine.get("max_num_batched_tokens") or 2048)
-        request_overhead_s = float(engine.get("request_overhead_s") or 0.0)
+        seqs, chunk, request_overhead_s = calibrated_limits(calibration)
+        seqs, chunk = args.max_num_seqs or seqs, args.chunk or chunk
     elif args.gpu:
         model = load_model(args.model or "llama-3-8b")
         step = gpu_step_model(args.gpu, args.tp)
@@ -237,7 +255,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     topology = Topology(
         model,
         **pools,
-        link_bytes_per_s=(args.link_gbs or (50.0 if args.gpu else 1.0)) * 1e9,
+        link_bytes_per_s=(args.link_gbs or (50.0 if args.gpu else CPU_LINK_GBS)) * 1e9,
         link_latency_s=args.link_latency_ms / 1e3,
         request_overhead_s=request_overhead_s,
         handover_latency_s=args.handover_ms / 1e3,
