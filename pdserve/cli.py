@@ -7,9 +7,7 @@ import logging
 import os
 import sys
 
-from pdserve import __version__
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from pdserve import LOG_FORMAT, __version__
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -61,6 +59,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             router["http_port"] = args.port
         if args.grpc_port is not None:
             router["grpc_port"] = args.grpc_port
+        if args.routers is not None:
+            router["replicas"] = args.routers
         if router:
             overrides["router"] = {**config.router.model_dump(), **router}
         if overrides:
@@ -480,6 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks a free one)")
     serve.add_argument(
         "--grpc-port", type=int, help="gRPC port (default 50051; 0 picks a free one)"
+    )
+    serve.add_argument(
+        "--routers",
+        type=int,
+        metavar="N",
+        help="router processes over the pools (router.replicas, default 1): router i serves on "
+        "--port + i and --grpc-port + i; one that dies is started again",
     )
     serve.add_argument("--cache-dir", help="model cache folder (as for `model prepare`)")
     serve.add_argument(

@@ -15,11 +15,14 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
+from pdserve import LOG_FORMAT
 from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools, ray_node_client
 from pdserve_core.config import DEFAULT_MODEL, PDServeConfig, engine_threads
 from pdserve_core.model_prep import prepare_default_model
@@ -71,6 +74,12 @@ def ray_token_private():
         tighten()
 
 
+def _namespace() -> str:
+    """This run's Ray namespace: its nodes' names are its own on a shared cluster, and its other
+    router processes (`router.replicas`) find the nodes there by name."""
+    return f"pdserve-{secrets.token_hex(4)}"
+
+
 def _init_ray(config: PDServeConfig) -> bool:
     """Start a local Ray (returns True) or join `ray.address` (returns False).
 
@@ -79,7 +88,9 @@ def _init_ray(config: PDServeConfig) -> bool:
     `ray start` made on this machine), whoever made it."""
     if config.ray.address:
         with ray_token_private():
-            ray.init(address=config.ray.address, logging_level=logging.WARNING)
+            ray.init(
+                address=config.ray.address, namespace=_namespace(), logging_level=logging.WARNING
+            )
         logger.info("joined Ray cluster at %s", config.ray.address)
         return False
     if os.environ.get("RAY_AUTH_MODE") == "disabled":
@@ -96,6 +107,7 @@ def _init_ray(config: PDServeConfig) -> bool:
     with ray_token_private():
         ray.init(
             address="local",
+            namespace=_namespace(),
             num_cpus=config.ray.num_cpus,
             resources=resources,
             include_dashboard=False,
@@ -237,12 +249,50 @@ def layout_advice(config: PDServeConfig, host_cores: int | None = None) -> str |
     )
 
 
-def run(config: PDServeConfig, ready_file: str | None = None) -> int:
+def serve_router(
+    config: PDServeConfig,
+    secret: str,
+    pools: dict[str, list],
+    infos: dict[str, list],
+    model: tuple[Path, str],
+    on_ready,
+    factory: RayNodeFactory | None = None,
+    node_series: bool = True,
+) -> None:
+    """One router over the started nodes (`pools`: their actors, `infos`: what each said at its
+    start), serving until SIGINT/SIGTERM. `factory`: the autoscaler's, if this router runs it;
+    `node_series`: whether its /metrics exports the node and pool series."""
     from router import build
     from router.decides.admission import Admission
     from router.metrics import RouterMetrics
     from router.service import RouterService
 
+    dispatcher = build.dispatcher(config, _members(config, pools, infos, secret))
+    metrics = RouterMetrics(
+        dispatcher.pools,
+        dispatcher.mode,
+        tpot_target_s=config.router.tpot_target_s,
+        nodes=node_series,
+    )
+    metrics.watch(dispatcher)
+    scaler = None if factory is None else build.scaler(config, dispatcher, factory=factory)
+    if scaler is not None:
+        metrics.watch_autoscale(scaler)
+        _log_autoscale(config)
+    admission = Admission(config.router.max_outstanding_requests)
+    service = RouterService(
+        dispatcher,
+        metrics,
+        admission,
+        build.retry_policy(config),
+        config.router.request_timeout_s,
+        build.request_limits(config),
+    )
+    metrics.in_flight.set_function(lambda: admission.outstanding)
+    asyncio.run(_serve(service, config, on_ready, scaler, model))
+
+
+def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     model_dir = resolve_model(config)
@@ -274,53 +324,99 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             logger.info(
                 "%s engine %s up in %.1f s (pid %s)", name, info.name, info.start_s, info.pid
             )
-        dispatcher = build.dispatcher(config, _members(config, pools, infos, secret))
-        metrics = RouterMetrics(
-            dispatcher.pools, dispatcher.mode, tpot_target_s=config.router.tpot_target_s
-        )
-        metrics.watch(dispatcher)
-        factory = RayNodeFactory(config, model_dir, served, secret, actors)
-        scaler = build.scaler(config, dispatcher, factory=factory)
-        if scaler is not None:
-            metrics.watch_autoscale(scaler)
-            _log_autoscale(config)
-        admission = Admission(config.router.max_outstanding_requests)
-        service = RouterService(
-            dispatcher,
-            metrics,
-            admission,
-            build.retry_policy(config),
-            config.router.request_timeout_s,
-            build.request_limits(config),
-        )
-        metrics.in_flight.set_function(lambda: admission.outstanding)
         sizes = ", ".join(f"{len(group)} {name}" for name, group in pools.items())
-
         scheme = "https" if config.router.tls else "http"
 
-        def on_ready(host: str, port: int, grpc_port: int) -> None:
+        def urls(host: str, port: int, grpc_port: int) -> dict[str, str]:
+            return {"http": f"{scheme}://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
+
+        def ready(routers: list[dict]) -> None:
+            """Every router serves: say where (router i's ports and pid, for several)."""
+            host = config.router.host
+            where = [urls(host, r["http_port"], r["grpc_port"]) for r in routers]
             logger.info(
-                "pdserve ready in %.1f s: serving %r on %s://%s:%d and grpc %s:%d%s (%s: %s)",
+                "pdserve ready in %.1f s: serving %r on %s%s (%s: %s)",
                 time.monotonic() - started,
                 served,
-                scheme,
-                host,
-                port,
-                host,
-                grpc_port,
+                ", ".join(f"{w['http']} and grpc {w['grpc']}" for w in where),
                 " (TLS)" if config.router.tls else "",
                 config.mode,
                 sizes,
             )
             if ready_file:
-                urls = {"http": f"{scheme}://{host}:{port}", "grpc": f"{host}:{grpc_port}"}
-                Path(ready_file).write_text(json.dumps(urls))
+                described = dict(where[0])
+                if len(routers) > 1:
+                    described["routers"] = [
+                        {**w, "pid": r["pid"]} for w, r in zip(where, routers, strict=True)
+                    ]
+                Path(ready_file).write_text(json.dumps(described))
 
-        asyncio.run(_serve(service, config, on_ready, scaler, (model_dir, served)))
-        logger.info("HTTP and gRPC servers stopped; shutting down")
+        if config.router.replicas > 1:
+            from pdserve.routers import Keeper
+
+            keeper = Keeper(config, secret, pools, infos, (model_dir, served))
+            asyncio.run(keeper.keep(ready))
+            logger.info("routers stopped; shutting down")
+        else:
+            factory = RayNodeFactory(config, model_dir, served, secret, actors)
+
+            def on_ready(host: str, port: int, grpc_port: int) -> None:
+                ready([{"http_port": port, "grpc_port": grpc_port, "pid": os.getpid()}])
+
+            serve_router(config, secret, pools, infos, (model_dir, served), on_ready, factory)
+            logger.info("HTTP and gRPC servers stopped; shutting down")
         return 0
     finally:
         _stop_actors(actors)
         if owns_ray:
             ray.shutdown()
         logger.info("pdserve stopped")
+
+
+def router_process() -> int:
+    """One router of several (`router.replicas`, pdserve/routers.py): read its task on stdin,
+    join the run's Ray, find the nodes by name, serve until SIGTERM."""
+    from pdserve.routers import die_with
+    from pdserve_core.engine.types import NodeInfo
+
+    to_keeper = os.dup(1)  # the keeper reads one line here: where this router serves
+    os.dup2(2, 1)  # anything else printed goes to the log
+    task: dict[str, Any] = json.loads(sys.stdin.read())
+    index = task["index"]
+    logging.basicConfig(level=logging.INFO, format=f"router {index}: {LOG_FORMAT}")
+    die_with(task["keeper"])
+    config = PDServeConfig.model_validate(task["config"])
+    with ray_token_private():
+        ray.init(
+            address=task["ray_address"],
+            namespace=task["namespace"],
+            logging_level=logging.WARNING,
+        )
+    infos = {
+        pool: [NodeInfo(**{**info, "kv_ports": tuple(info["kv_ports"])}) for info in described]
+        for pool, described in task["nodes"].items()
+    }
+    pools = {pool: [ray.get_actor(info.name) for info in group] for pool, group in infos.items()}
+
+    def on_ready(host: str, port: int, grpc_port: int) -> None:
+        line = {"http_port": port, "grpc_port": grpc_port, "pid": os.getpid()}
+        os.write(to_keeper, (json.dumps(line) + "\n").encode())
+        os.close(to_keeper)
+
+    try:
+        serve_router(
+            config,
+            config.kv_transfer.secret,
+            pools,
+            infos,
+            (Path(task["model_dir"]), task["served"]),
+            on_ready,
+            node_series=index == 0,
+        )
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(router_process())

@@ -298,6 +298,12 @@ class RouterConfig(_Strict):
     """Port of the OpenAI-compatible HTTP API, /health and /metrics (0: a free port)."""
     grpc_port: int = Field(50051, ge=0, le=65535)
     """Port of the gRPC API (0: a free port)."""
+    replicas: int = Field(1, ge=1, le=32)
+    """Router processes over the one set of pools. Router i serves HTTP on `http_port` + i and
+    gRPC on `grpc_port` + i (with port 0, free ports each); put a load balancer in front. Each
+    relays its own requests' tokens on a core of its own, and a router that dies ends only its
+    own streams (the nodes stop them) and is started again. With more than one, `pdserve serve`'s
+    own process keeps the nodes and runs no router (docs/deployment.md, "Several routers")."""
     api_key: str | None = Field(default_factory=lambda: os.environ.get("PDSERVE_API_KEY") or None)
     """If set, clients must send `Authorization: Bearer <key>` (HTTP) or the same gRPC metadata,
     for /metrics and the detailed /health too. Default: $PDSERVE_API_KEY (keep keys out of
@@ -536,6 +542,32 @@ class PDServeConfig(_Strict):
         if self.mode == "disaggregated" and self.pools.decode.replicas < 1:
             raise ValueError("mode 'disaggregated' needs pools.decode.replicas >= 1")
         scale = self.pools.autoscale
+        routers = self.router.replicas
+        if routers > 1:
+            if scale.enabled:
+                raise ValueError(
+                    "pools.autoscale runs in one router: it needs router.replicas 1 "
+                    f"(not {routers})"
+                )
+            ports = {
+                name: range(port, port + routers)
+                for name, port in (
+                    ("http_port", self.router.http_port),
+                    ("grpc_port", self.router.grpc_port),
+                )
+                if port
+            }
+            for name, taken in ports.items():
+                if taken[-1] > 65535:
+                    raise ValueError(
+                        f"router.{name} {taken[0]} + {routers} routers passes port 65535"
+                    )
+            if len(ports) == 2 and set(ports["http_port"]) & set(ports["grpc_port"]):
+                raise ValueError(
+                    f"router.replicas {routers}: the HTTP ports {ports['http_port'][0]}-"
+                    f"{ports['http_port'][-1]} and the gRPC ports {ports['grpc_port'][0]}-"
+                    f"{ports['grpc_port'][-1]} overlap"
+                )
         if scale.enabled:
             if self.mode != "disaggregated":
                 raise ValueError("pools.autoscale needs mode 'disaggregated'")

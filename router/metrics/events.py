@@ -34,8 +34,11 @@ class RouterMetrics:
         *,
         tpot_target_s: float,
         window_s: float = 15.0,
+        nodes: bool = True,
     ) -> None:
-        """`tpot_target_s`: `router.tpot_target_s`, the decode side of the balance."""
+        """`tpot_target_s`: `router.tpot_target_s`, the decode side of the balance. `nodes`:
+        export the node and pool series too (one router of several does, so that a sum over
+        the routers counts each node once)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self._placement_mode = "remote"  # the watched dispatcher's (`watch`)
@@ -133,7 +136,8 @@ class RouterMetrics:
             self.retries.labels(pool=pool)
             self.resumes.labels(pool=pool)
             self.expected_cached.labels(pool=pool)
-        r.register(PoolCollector(pools, window_s, tpot_target_s))
+        if nodes:
+            r.register(PoolCollector(pools, window_s, tpot_target_s))
 
     def watch_autoscale(self, scaler: Any) -> None:
         """Count every autoscale check; the outcomes exist from zero."""

@@ -27,6 +27,8 @@ class Server:
     model: str
     grpc: str = ""
     headers: dict = field(default_factory=dict)  # the API key, where the server has one
+    routers: list[dict] = field(default_factory=list)
+    """With several routers (`--routers N`): each one's {"http", "grpc", "pid"}, router 0 first."""
 
 
 def _wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> dict:
@@ -88,7 +90,10 @@ def start_server(
         urls = _wait_ready(process, ready, log)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         models = httpx.get(f"{urls['http']}/v1/models", timeout=10, headers=headers).json()
-        return Server(urls["http"], process, log, models["data"][0]["id"], urls["grpc"], headers)
+        model = models["data"][0]["id"]
+        return Server(
+            urls["http"], process, log, model, urls["grpc"], headers, urls.get("routers", [])
+        )
     except BaseException:  # never leave a server behind (it would hold its ports)
         stop_and_check_nothing_left(process)
         raise
@@ -105,7 +110,9 @@ def finish_server(server: Server) -> None:
 def server(default_model_dir, tmp_path_factory) -> Server:
     """The colocated server (what deploy/config/local-cpu-colocated.yaml serves), laid out by
     `--layout auto`: the default config, uniform traffic at 2 requests/s, the calibrations
-    measured on a 2-core host filed as this host's: one engine on both cores wins there."""
+    measured on a 2-core host filed as this host's: one engine on both cores wins there. Two
+    routers serve it (`--routers 2`): the tests speak to router 0, and the module's last tests
+    to router 1, then kill it."""
     from pdserve_core.engine.dtype import native_dtype
     from tests.helpers.layouts import file_measured_calibrations
 
@@ -120,6 +127,8 @@ def server(default_model_dir, tmp_path_factory) -> Server:
         "layout.rate=2",
         "--set",
         "ray.num_cpus=2",
+        "--routers",
+        "2",
         env={"PDSERVE_CALIBRATION_DIR": str(calibrations)},
     )
     yield server

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -89,6 +95,89 @@ def test_health_and_models(server):
     models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
     assert models["data"][0]["max_model_len"] == 2048
+
+
+def _running(server) -> int:
+    """Requests the engine runs, as its last health check said (router 0's view)."""
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    return health["pools"]["colocated"]["nodes"][0]["running"]
+
+
+def _poll(what, deadline_s: float) -> bool:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_each_router_serves_the_one_node(server):
+    """Both routers answer alike from the one engine; router 0 alone exports the node series,
+    every router its own request series."""
+    assert [r["http"] for r in server.routers][0] == server.url and len(server.routers) == 2
+    body = {"model": server.model, "prompt": "The capital of France is", "max_tokens": 12}
+    texts = [
+        httpx.post(
+            f"{r['http']}/v1/completions", json={**body, "temperature": 0}, timeout=60
+        ).json()["choices"][0]["text"]
+        for r in server.routers
+    ]
+    assert texts[0] == texts[1] and texts[0]
+    first, second = (httpx.get(f"{r['http']}/metrics", timeout=10).text for r in server.routers)
+    samples = [[line.split("{")[0] for line in text.splitlines()] for text in (first, second)]
+    assert "pdserve_node_requests_running" in samples[0]
+    assert not [name for name in samples[1] if name.startswith("pdserve_node_")]
+    assert 'pdserve_requests_total{api="http",outcome="success"} 1.0' in second
+
+
+def test_a_dead_router_costs_only_its_own_streams(server):
+    """Kill router 1 mid-stream: router 0's stream runs to its end, the node stops router 1's
+    request within 5 s (its blocks free), and the keeper starts router 1 again on its port."""
+    body = {"model": server.model, "prompt": "Tell me a story", "max_tokens": 160}
+    body |= {"ignore_eos": True, "stream": True}
+    counts, ends = [0, 0], [None, None]
+
+    def stream(i: int) -> None:
+        try:
+            url = f"{server.routers[i]['http']}/v1/completions"
+            with httpx.stream("POST", url, json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        counts[i] += 1
+                        chunk = json.loads(line.removeprefix("data: "))
+                        ends[i] = chunk["choices"][0]["finish_reason"] or ends[i]
+        except httpx.HTTPError as error:
+            ends[i] = error
+
+    streams = [threading.Thread(target=stream, args=(i,)) for i in (0, 1)]
+    for thread in streams:
+        thread.start()
+    assert _poll(lambda: min(counts) >= 5 and _running(server) == 2, 60), (counts, ends)
+    os.kill(server.routers[1]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    assert _poll(lambda: _running(server) == 1, 5), "the node still runs the dead router's request"
+    assert time.monotonic() - killed < 5 and counts[0] < body["max_tokens"]  # router 0's still runs
+    for thread in streams:
+        thread.join(timeout=120)
+    assert counts[0] == body["max_tokens"] and ends[0] == "length"
+    assert isinstance(ends[1], httpx.HTTPError) and counts[1] < body["max_tokens"]
+    assert _poll(lambda: _running(server) == 0, 5)
+
+    again = server.routers[1]["http"]
+
+    def serves() -> bool:
+        try:
+            return httpx.get(f"{again}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert _poll(serves, 120), server.log.read_text()[-3000:]
+    short = {"model": server.model, "prompt": "Hi", "max_tokens": 4}
+    assert httpx.post(f"{again}/v1/completions", json=short, timeout=60).status_code == 200
+    log = server.log.read_text()
+    assert f"router 1 (pid {server.routers[1]['pid']}) exited (signal SIGKILL)" in log
+    assert "router 1 serves again on port" in log
 
 
 def test_sigterm_stops_everything_it_started(server):

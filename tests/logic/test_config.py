@@ -58,6 +58,22 @@ def test_every_example_config_under_deploy_is_valid():
         ),
         ({"pools": {"autoscale": {"high": 1.0}}}, "pools.autoscale.high", "greater than 1"),
         ({"pools": {"autoscale": {"min_decode": 0}}}, "pools.autoscale.min_decode", "1"),
+        ({"router": {"replicas": 0}}, "router.replicas", "greater than or equal to 1"),
+        (
+            {"router": {"replicas": 2}, "pools": {"autoscale": {"enabled": True}}},
+            "(top level)",
+            "pools.autoscale runs in one router",
+        ),
+        (
+            {"router": {"replicas": 4, "http_port": 8000, "grpc_port": 8002}},
+            "(top level)",
+            "the HTTP ports 8000-8003 and the gRPC ports 8002-8005 overlap",
+        ),
+        (
+            {"router": {"replicas": 3, "http_port": 65534}},
+            "(top level)",
+            "router.http_port 65534 + 3 routers passes port 65535",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_reason(data, field, reason):
@@ -67,6 +83,12 @@ def test_bad_values_name_the_field_and_reason(data, field, reason):
     assert "test.yaml" in message
     assert f"{field}:" in message
     assert reason in message
+
+
+def test_several_routers_take_consecutive_ports_or_free_ones():
+    routers = parse_config({"router": {"replicas": 3, "http_port": 0, "grpc_port": 0}}).router
+    assert routers.replicas == 3  # port 0: a free port for each, nothing to overlap
+    assert parse_config({"router": {"replicas": 3}}).router.http_port == 8000  # 8000-8002
 
 
 def test_a_local_model_folder_is_accepted(tmp_path):
@@ -98,6 +120,14 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path, capsys):
     assert main(["serve", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "router.http_port" in err and "greater than or equal to 0" in err
+
+
+def test_cli_routers_flag_is_router_replicas(capsys):
+    from pdserve.cli import main
+
+    code = main(["serve", "--routers", "2", "--set", "pools.autoscale.enabled=true"])
+    assert code == 2
+    assert "pools.autoscale runs in one router" in capsys.readouterr().err
 
 
 def test_the_api_key_comes_from_the_environment_and_a_public_bind_needs_one(monkeypatch, capsys):

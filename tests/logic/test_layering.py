@@ -31,7 +31,17 @@ LAYERS = (
     ("roles", {"prefill_node", "decode_node"}),
     ("router", {"router"}),
     ("tools", {"pdserve.planner", "pdserve.bench", "pdserve.sim", "pdserve.hosts"}),
-    ("application", {"pdserve", "pdserve.flex", "pdserve.nodes", "pdserve.serve", "pdserve.cli"}),
+    (
+        "application",
+        {
+            "pdserve",
+            "pdserve.flex",
+            "pdserve.nodes",
+            "pdserve.routers",
+            "pdserve.serve",
+            "pdserve.cli",
+        },
+    ),
 )
 """The folders, bottom to top: what everything stands on (pdserve_core/), the roles
 (prefill_node/, decode_node/), the router (router/), the tools that size, measure and try a
@@ -101,8 +111,11 @@ ALLOWED = {
         "pdserve.flex",
         "router",
     },
+    "pdserve.routers": {"pdserve_core.config"},
     "pdserve.serve": {
+        "pdserve",
         "pdserve.nodes",
+        "pdserve.routers",
         "pdserve_core.config",
         "pdserve_core.engine",
         "pdserve_core.model_prep",
@@ -128,6 +141,7 @@ ALLOWED = {
 RUNTIME = {name for layer, names in LAYERS[:4] for name in names} | {
     "pdserve.flex",
     "pdserve.nodes",
+    "pdserve.routers",
     "pdserve.serve",
 }
 """What serves: the roles, the router and the ground they share (the cost model included: engines
