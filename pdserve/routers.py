@@ -191,6 +191,10 @@ class Keeper:
         logger.info("received %s; stopping the routers", signal.Signals(signum).name)
         self._stop.set()
 
+    def stop(self) -> None:
+        """Stop every router (as SIGTERM does); `keep` returns once they have."""
+        self._stop.set()
+
     async def _end(self, router: _Router) -> None:
         process = router.process
         if process is None or process.returncode is not None:

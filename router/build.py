@@ -90,8 +90,11 @@ def dispatcher(
 
 def memberships(config: PDServeConfig, dispatcher: Dispatcher) -> list[Membership]:
     """The health checks of each of the dispatcher's pools (started and stopped by the caller)."""
-    stall_s = config.router.engine_stall_s
-    return [Membership(pool, stall_s=stall_s) for pool in dispatcher.pools.values()]
+    router = config.router
+    return [
+        Membership(pool, stall_s=router.engine_stall_s, prefix_aware=router.prefix_aware)
+        for pool in dispatcher.pools.values()
+    ]
 
 
 def retry_policy(config: PDServeConfig) -> RetryPolicy:

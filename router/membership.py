@@ -39,11 +39,13 @@ failure in a row, at most the second (a model that cannot load is not rebuilt ev
 class Membership:
     """The health checks of one pool's nodes (`start` / `stop`), and what each one decides."""
 
-    def __init__(self, pool: Pool, *, stall_s: float) -> None:
+    def __init__(self, pool: Pool, *, stall_s: float, prefix_aware: bool) -> None:
         self.pool = pool
         self.stall_s = stall_s
         """How long an engine holding requests may go without a step before it is stuck
         (`router.engine_stall_s`)."""
+        self.prefix_aware = prefix_aware
+        """Read each node's block log with its health check (`router.prefix_aware`)."""
         self._watcher: asyncio.Task | None = None
 
     def start(self, interval_s: float = CHECK_INTERVAL_S) -> None:
@@ -90,6 +92,10 @@ class Membership:
                 self.pool.hearing.heard(node)
                 node.stats = await node.client.stats()
                 node.reported = True
+                if self.prefix_aware:  # what any router's requests left there
+                    node.blocks_seen, logged = await node.client.prefix_blocks(node.blocks_seen)
+                    for hashes in logged:
+                        node.prefixes.record_blocks(node.info, hashes)
                 node.history.append((clock.now(), counters(node.stats)))
                 if healthy and self._stalled(node):
                     await self._drop_stuck_engine(node)

@@ -34,6 +34,7 @@ import ray
 
 from pdserve_core.config import EngineConfig, PoolConfig, cpu_preload_paths, engine_threads
 from pdserve_core.engine import dtype
+from pdserve_core.engine.blocks import BlockLog, block_hashes
 from pdserve_core.engine.deltas import END, DeltaServer, ending, server_tls
 from pdserve_core.engine.legs import Whole
 from pdserve_core.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
@@ -170,6 +171,9 @@ class EngineActor:
         self._collector = StatsCollector(self._stats)
         self._gpu: GpuSampler | None = None
         self._max_num_batched_tokens = 0
+        self._blocks = BlockLog()
+        """The blocks each finished request left in the engine, for every router to read."""
+        self._block_size = 0
         self._deltas = DeltaServer(name, stream_secret)
         """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
         self._stream_host = stream_host
@@ -200,6 +204,7 @@ class EngineActor:
             args, stat_loggers=[stat_logger_factory(self._collector)]
         )
         vllm_config = self._engine.vllm_config
+        self._block_size = vllm_config.cache_config.block_size
         self._start_utilization(vllm_config)
         info = NodeInfo(
             name=self._name,
@@ -335,12 +340,15 @@ class EngineActor:
         self._stats.requests_started_total += 1
         context = 0  # this request's tokens counted in the decode context (once it decodes)
         first = True
+        produced: list[int] = []  # its one sequence's tokens (n = 1), for the block log
         try:
             async for output in self._engine.generate(prompt, sampling_params, request_id):
                 new_tokens = sum(len(c.token_ids) for c in output.outputs)
                 grown = (context or len(prompt_token_ids)) + new_tokens
                 self._stats.decode_context_tokens += grown - context
                 context = grown
+                if sampling_params.n == 1:
+                    produced += output.outputs[0].token_ids
                 for completion in output.outputs:
                     delta = TokenDelta(
                         token_ids=list(completion.token_ids),
@@ -356,6 +364,10 @@ class EngineActor:
                     )
                     yield delta if text is None else replace(delta, text=text.text(delta))
                     first = False
+            # its prompt's blocks, and its output's but the last token's (sampled, never
+            # computed): what a conversation's next turn sends back
+            tokens = list(prompt_token_ids) + produced[:-1]
+            self._blocks.add(block_hashes(tokens, self._block_size, salt))
         except VLLMClientError as error:
             raise RequestRejected(str(error)) from None
         except EngineDeadError:
@@ -392,6 +404,7 @@ class EngineActor:
 
     def _drop_engine(self) -> None:
         engine, self._engine = self._engine, None
+        self._blocks.clear()
         # what the dead engine last reported (its queue, its cache, the KV it held for decode
         # nodes) died with it; a new engine reports only once it steps, maybe never while idle
         stats = self._stats
@@ -402,6 +415,11 @@ class EngineActor:
             engine.shutdown()
         except Exception as error:  # it is dead already; its processes are reaped with it
             logger.warning("shutting down the dead engine of %s: %r", self._name, error)
+
+    async def prefix_blocks(self, seen: int) -> tuple[int, list[list[int]]]:
+        """The blocks requests left in this engine, from the log's entry `seen` on (every router
+        reads it with its health checks: router/decides/prefixes.py)."""
+        return self._blocks.since(seen)
 
     async def step_records(self, seen: int = 0) -> dict[str, Any]:
         """The engine's recent steps after the first `seen` (each [prompt tokens, prompt

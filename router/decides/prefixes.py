@@ -12,7 +12,10 @@ router cannot see inside the engines, so it keeps an approximation from what it 
 - a node whose engine was rebuilt holds nothing (its `NodeInfo` changed).
 A block is named by a hash of its tokens and of every token before it (and the request's cache
 salt), so a hash matches only the same block at the same place after the same prefix — the
-chaining vLLM's own prefix cache uses. The error of the approximation is bounded the safe way:
+chaining vLLM's own prefix cache uses (pdserve_core/engine/blocks.py: the same in every process).
+With several routers each also learns what the others sent: every node logs the blocks its
+requests left (`BlockLog`) and each router reads the log with its health checks, once a second
+(`record_blocks`). The error of the approximation is bounded the safe way:
 an engine whose blocks were taken by other work computes the tokens again (the request is
 correct, only slower); what the router never recorded it does not count.
 """
@@ -20,8 +23,10 @@ correct, only slower); what the router never recorded it does not count.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from pdserve_core.engine.blocks import block_hashes
 
 DEFAULT_BLOCKS = 4096
 """Blocks assumed for a node whose engine did not report its KV capacity."""
@@ -51,19 +56,6 @@ class Prefix:
         for size, hashes in self._hashes.items():
             longer._hashes[size] = block_hashes(longer.token_ids, size, self.salt, hashes)
         return longer
-
-
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, salt: str | None = None, prior: Sequence[int] = ()
-) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`; `prior`: the hashes of its first blocks,
-    already known."""
-    hashes = list(prior)
-    parent = hashes[-1] if hashes else hash(("pdserve-prefix", salt))
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
 
 
 class NodePrefixes:
@@ -102,9 +94,20 @@ class NodePrefixes:
         for block in prefix.hashes(self._block_size(info)):
             blocks[block] = None
             blocks.move_to_end(block)
+        self._bound(info)
+
+    def record_blocks(self, info: Any, hashes: Iterable[int]) -> None:
+        """The node holds these blocks (named in its own log), the most recently used."""
+        blocks = self._current(info)
+        for block in hashes:
+            blocks[block] = None
+            blocks.move_to_end(block)
+        self._bound(info)
+
+    def _bound(self, info: Any) -> None:
         capacity = getattr(info, "num_blocks", 0) or DEFAULT_BLOCKS
-        while len(blocks) > capacity:
-            blocks.popitem(last=False)
+        while len(self._blocks) > capacity:
+            self._blocks.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._blocks)

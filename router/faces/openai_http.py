@@ -204,6 +204,7 @@ def _node_view(node) -> dict:
         "waiting": stats.waiting,
         "kv_cache_usage": stats.kv_cache_usage,
         "kv_blocks_held": stats.kv.gauges.blocks_held,
+        "prefix_blocks_known": len(node.prefixes),
         "handovers": stats.handovers_total,
         "handovers_recomputed": stats.handovers_recomputed_total,
         "last_recompute": stats.last_recompute or None,

@@ -44,6 +44,12 @@ class NodeClient(ABC):
     async def stats(self) -> NodeStats:
         """The node's current load and running totals."""
 
+    async def prefix_blocks(self, seen: int) -> tuple[int, list[list[int]]]:
+        """The blocks the node's requests left in its engine, from its log's entry `seen` on
+        (pdserve_core/engine/blocks.py): (where to ask from next, the entries). A node that
+        keeps no log has none."""
+        return seen, []
+
     async def give_back(self, handle: dict[str, Any]) -> bool:
         """Free the KV a prefill leg of this node left under `handle`: no decode leg will read
         it. A node that keeps no KV for others has none to free."""
@@ -113,6 +119,8 @@ class Node:
     prefixes: NodePrefixes = field(default_factory=NodePrefixes)
     """The prompt blocks its engine is taken to hold in its prefix cache
     (router/decides/prefixes.py)."""
+    blocks_seen: int = 0
+    """How far the router has read the node's block log (`NodeClient.prefix_blocks`)."""
 
     def cached_tokens(self, prefix: Any) -> int:
         """Tokens at the start of `prefix` (a `router.decides.prefixes.Prefix`) this node is taken

@@ -125,6 +125,9 @@ class RayNodeClient(NodeClient):
     async def drop_engine(self) -> None:
         await self._call("drop_engine")
 
+    async def prefix_blocks(self, seen: int) -> tuple[int, list[list[int]]]:
+        return await self._call("prefix_blocks", seen)
+
     async def shutdown(self) -> None:
         if self._tokens is not None:
             self._tokens.close()

@@ -131,6 +131,34 @@ def test_each_router_serves_the_one_node(server):
     assert 'pdserve_requests_total{api="http",outcome="success"} 1.0' in second
 
 
+def _known(router: dict) -> int:
+    health = httpx.get(f"{router['http']}/health", timeout=10).json()
+    return health["pools"]["colocated"]["nodes"][0]["prefix_blocks_known"]
+
+
+def _expected_cached(router: dict) -> float:
+    text = httpx.get(f"{router['http']}/metrics", timeout=10).text
+    line = 'pdserve_prefix_expected_cached_tokens_total{pool="colocated"} '
+    return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+
+
+def test_a_router_learns_what_another_router_left_on_a_node(server):
+    """Router 0 runs a prompt; router 1, which never saw it, reads the blocks it left from the
+    node's log with its health checks and expects them cached on the next turn it routes."""
+    first, second = server.routers
+    history = "Here is a long story about a lighthouse keeper and the sea. " * 12
+    before = _known(second)
+    body = {"model": server.model, "prompt": history, "max_tokens": 4, "temperature": 0}
+    done = httpx.post(f"{first['http']}/v1/completions", json=body, timeout=60).json()
+    assert done["usage"]["prompt_tokens"] >= 128
+    assert _poll(lambda: _known(second) > before, 5), "router 1 never read the node's log"
+    expected = _expected_cached(second)
+    turn = {**body, "prompt": history + done["choices"][0]["text"] + " And then?"}
+    assert httpx.post(f"{second['http']}/v1/completions", json=turn, timeout=60).status_code == 200
+    # the first turn's full blocks (most of its prompt, whatever the engine's block size)
+    assert _expected_cached(second) - expected >= done["usage"]["prompt_tokens"] / 2
+
+
 def test_a_dead_router_costs_only_its_own_streams(server):
     """Kill router 1 mid-stream: router 0's stream runs to its end, the node stops router 1's
     request within 5 s (its blocks free), and the keeper starts router 1 again on its port."""

@@ -22,8 +22,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from pdserve_core.config import RouterConfig
+from pdserve_core.engine.blocks import BlockLog, block_hashes
 from pdserve_core.engine.legs import Decode, Leg, Prefill
-from pdserve_core.engine.types import KVLoadFailed, NodeInfo, NodeStats, RequestRejected, TokenDelta
+from pdserve_core.engine.types import (
+    CACHE_SALT_ARG,
+    KVLoadFailed,
+    NodeInfo,
+    NodeStats,
+    RequestRejected,
+    TokenDelta,
+)
 from router.decides.placement import Placement
 from router.decides.policies import make_policy
 from router.decides.retry import RetryPolicy
@@ -35,6 +43,8 @@ from router.pools import Hearing, Pool
 from router.request import PreparedRequest
 from router.service import RequestLimits
 
+BLOCK_SIZE = 128
+"""The fake engines' KV block size."""
 MAX_LOGPROBS = 20
 """vLLM's default `max_logprobs`."""
 
@@ -119,6 +129,9 @@ class FakeNode(NodeClient):
     """Prefetch keys the router said will not run here."""
     cached_tokens: int | None = None
     """What its first delta says its prefix cache held of the prompt."""
+    blocks: BlockLog = field(default_factory=BlockLog)
+    """The blocks its finished requests left, logged as the engine actor logs them (block size
+    `BLOCK_SIZE`, its `NodeInfo`'s)."""
     _heard: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def _hang_while_silent(self) -> None:
@@ -173,19 +186,25 @@ class FakeNode(NodeClient):
                 call.deltas += 1
                 yield delta
             call.finished = True
+            produced = [t for delta in plan for t in delta.token_ids] if params.n == 1 else []
+            salt = (params.extra_args or {}).get(CACHE_SALT_ARG)
+            self.blocks.add(block_hashes(list(prompt) + produced[:-1], BLOCK_SIZE, salt))
         finally:
             call.cancelled = not call.finished
 
     async def start(self) -> NodeInfo:
         self.healthy = self.engine = True
         self.starts += 1
-        return NodeInfo(self.name, 1 + self.starts, "ray-node", 2048, 128, 0.1)
+        return NodeInfo(self.name, 1 + self.starts, "ray-node", 2048, BLOCK_SIZE, 0.1)
 
     async def check_health(self) -> bool:
         await self._hang_while_silent()
         if not self.healthy:
             raise NodeFailed("ActorDiedError")
         return self.engine
+
+    async def prefix_blocks(self, seen: int) -> tuple[int, list[list[int]]]:
+        return self.blocks.since(seen)
 
     async def give_back(self, handle: dict) -> bool:
         self.given_back.append(handle)
@@ -244,13 +263,13 @@ def new_pool(
 
 def membership(pool: Pool, stall_s: float = ROUTER.engine_stall_s) -> Membership:
     """The health checks of `pool`, with the config's stall bound unless told."""
-    return Membership(pool, stall_s=stall_s)
+    return Membership(pool, stall_s=stall_s, prefix_aware=ROUTER.prefix_aware)
 
 
 def pool(
     name: str, *fakes: FakeNode, silence_s: float = ROUTER.node_silence_s, hearing=None
 ) -> Pool:
-    nodes = [Node(f.name, f, NodeInfo(f.name, 1, "ray-node", 2048, 128, 0.1)) for f in fakes]
+    nodes = [Node(f.name, f, NodeInfo(f.name, 1, "ray-node", 2048, BLOCK_SIZE, 0.1)) for f in fakes]
     return new_pool(name, nodes, "round_robin", silence_s, hearing)
 
 

@@ -9,10 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve_core.engine.blocks import BlockLog
 from pdserve_core.engine.types import NodeInfo
 from router.decides.policies import UNCACHED_TOKEN_COST, decode_load, make_policy
 from router.decides.prefixes import NodePrefixes, Prefix, block_hashes
 from router.links.nodes import Node
+from tests.conftest import REPO
 from tests.helpers.fake_nodes import FakeNode, Routes, disaggregated, placement_rule, sampling
 from tests.logic.test_dispatch import collect, tokens
 
@@ -221,3 +223,81 @@ async def test_a_prompt_the_decode_node_lacks_is_prefetched_its_next_turn_is_not
     await asyncio.sleep(0)
     assert len(d.prefetches) == 1  # it holds the history: the pull takes only what it lacks
     assert len(p.calls) == 2 and all(c.method == "prefill" for c in p.calls)
+
+
+def test_a_block_is_named_alike_in_every_process():
+    """Routers and nodes are separate processes, each with its own string-hash seed: a block's
+    name must not depend on it (the salt's included)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from pdserve_core.engine.blocks import block_hashes;"
+        "print(block_hashes(list(range(100)), 16, 'tenant-a'), block_hashes([7] * 40, 16))"
+    )
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)},
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    here = f"{block_hashes(list(range(100)), 16, 'tenant-a')} {block_hashes([7] * 40, 16)}\n"
+    assert runs == {here}
+
+
+def test_a_node_log_hands_each_router_what_it_has_not_seen():
+    log = BlockLog(keep=3)
+    assert log.since(0) == (0, [])
+    for n in range(1, 5):
+        log.add([n, n * 10])
+    log.add([])  # a prompt shorter than a block left nothing
+    assert log.since(0) == (4, [[2, 20], [3, 30], [4, 40]])  # the oldest is gone
+    assert log.since(3) == (4, [[4, 40]])
+    assert log.since(4) == (4, [])
+    log.clear()  # the engine died: it holds none of them
+    log.add([5])
+    assert log.since(4) == (5, [[5]])
+
+
+async def test_a_conversation_alternating_between_two_routers_returns_to_its_node():
+    """Two routers over the same nodes: the turn router A ran is in its decode node's log, and
+    router B, having read the log with a health check, sends the next turn back there."""
+    from router.request import PreparedRequest
+    from tests.helpers.fake_nodes import membership
+
+    decodes, prefills = [FakeNode("d0"), FakeNode("d1")], [FakeNode("p0")]
+    a, b, unaware = (
+        disaggregated(prefills, decodes, placement=placement_rule("adaptive")) for _ in range(3)
+    )
+    unaware.prefix_aware = False
+    params = sampling(max_tokens=4)
+
+    def ask(prompt):
+        return PreparedRequest("cmpl-t", prompt, params, stream=True)
+
+    first = list(range(1, 301))
+    a.observer = seen_a = Routes()
+    got = tokens(await collect(a, ask(first)))
+    turn1 = seen_a.seen[-1]
+    second = conversation_turn(first + got, 40)
+    held = b.decode.nodes[[n.name for n in b.decode.nodes].index(turn1.node.name)]
+    assert held.cached_tokens(Prefix(second)) == 0  # B has not heard yet
+    watch = membership(b.decode)
+    for node in b.decode.nodes:
+        await watch.refresh(node)
+    assert held.cached_tokens(Prefix(second)) == 256  # the turn's prompt and output, read
+    b.observer = seen_b = Routes()
+    await collect(b, ask(second))
+    turn2 = seen_b.seen[-1]
+    assert turn2.node.name == turn1.node.name and not turn2.split
+    assert (turn2.reason, turn2.cached_tokens) == ("cached_prefix", 256)
+    # a router that does not route by prefix does not read the logs
+    watch = membership(unaware.decode)
+    watch.prefix_aware = False
+    for node in unaware.decode.nodes:
+        await watch.refresh(node)
+    assert all(len(node.prefixes) == 0 for node in unaware.decode.nodes)

@@ -1,0 +1,291 @@
+"""How far the routers carry tokens: 1, 2 and 4 router processes (`router.replicas`) over engine
+nodes that cost nothing, so the routers alone are the limit.
+
+The nodes are the real engine actor (`EngineActor`: Ray, the token stream, its frames) with a
+fake engine in place of vLLM: each step (`--step-ms`; 0: as fast as asked) every running request
+gets one token. The routers are the real ones, started by the real keeper (pdserve/routers.py)
+and pinned one per core where there are cores for them. The client is a raw-socket SSE reader
+(asyncio, no HTTP library) that spreads its requests over the routers in turn.
+
+Phases, each `--seconds` long, for each router count:
+- stream: 64 streams of 256 tokens each, nodes as fast as asked: tokens/s;
+- short: 64 clients sending 4-token requests: requests/s;
+- cadence: `--cadence-streams` streams at one token per 25 ms step each (a GPU decode node's
+  cadence; 128 streams = 5,120 tokens/s asked): tokens/s delivered, the gap between a stream's
+  tokens (p50, p99) against the step;
+and for every phase the routers' CPU (cores busy, summed over the routers) and CPU per token or
+request. On a 2-core host the client and the nodes share the cores with the routers, so the
+scaling measured there is a floor. Writes results/bench/router-scale/<host>.json:
+    python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+import ray  # noqa: E402
+
+from pdserve_core.engine.actor import EngineActor  # noqa: E402
+from pdserve_core.engine.types import NodeInfo  # noqa: E402
+
+GPU_STEP_S = 0.025
+EVENT = b'data: {"id"'
+
+
+class FakeEngine:
+    """What the engine actor asks of vLLM's AsyncLLM, answered without a model: every step each
+    running request gets one token (id 100 + its position, text " t"). `step_s` 0: each request
+    yields its tokens as fast as its consumer takes them."""
+
+    errored = False
+    tokenizer = None
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self._tick = asyncio.Event()
+        self._ticker = asyncio.get_running_loop().create_task(self._steps()) if step_s else None
+
+    async def _steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            self._tick.set()
+            self._tick = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id):
+        for i in range(params.max_tokens):
+            if self.step_s:
+                await self._tick.wait()
+            else:
+                await asyncio.sleep(0)
+            last = i + 1 == params.max_tokens
+            completion = SimpleNamespace(
+                index=0,
+                token_ids=[100 + i],
+                text=" t",
+                finish_reason="length" if last else None,
+                stop_reason=None,
+                logprobs=None,
+            )
+            yield SimpleNamespace(
+                outputs=[completion],
+                finished=last,
+                kv_transfer_params=None,
+                prompt_logprobs=None,
+                num_cached_tokens=0,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    async def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+
+
+class FakeEngineActor(EngineActor):
+    """The engine actor with `FakeEngine` as its engine."""
+
+    async def start(self) -> NodeInfo:
+        # what the actor's request path imports from vLLM, imported now as a real start does
+        # (a first import there would hold the actor's loop for seconds)
+        import vllm.exceptions  # noqa: F401
+        import vllm.sampling_params  # noqa: F401
+        import vllm.v1.engine.exceptions  # noqa: F401
+
+        self._engine = FakeEngine(self._engine_args["step_s"])
+        return NodeInfo(
+            name=self._name,
+            pid=os.getpid(),
+            ray_node_id=ray.get_runtime_context().get_node_id(),
+            max_model_len=4096,
+            block_size=16,
+            start_s=0.0,
+            num_blocks=1 << 16,
+        )
+
+
+async def _sse(address, body: bytes, counts: dict, gaps: list | None, end: float) -> None:
+    """POST one streamed request and read it until it ends or `end`: its events (tokens) count
+    while the phase runs, the gaps between them go to `gaps`."""
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    tail, last = b"", None
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                data = await asyncio.wait_for(reader.read(65536), left)
+            except TimeoutError:
+                return
+            if not data:
+                counts["requests"] += 1
+                return
+            seen = (tail + data).count(EVENT) - tail.count(EVENT)
+            now = time.monotonic()
+            if seen and gaps is not None:
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+            counts["tokens"] += seen
+            tail = data[-16:]
+    finally:
+        writer.close()
+
+
+async def _phase(urls, body: dict, clients: int, seconds: float, gaps: list | None) -> dict:
+    """`clients` loops, each sending `body` again as soon as its last ends, over the routers in
+    turn, for `seconds`."""
+    payload = json.dumps(body).encode()
+    counts = {"tokens": 0, "requests": 0}
+    end = time.monotonic() + seconds
+
+    async def client(i: int) -> None:
+        n = i
+        while time.monotonic() < end:
+            await _sse(urls[n % len(urls)], payload, counts, gaps, end)
+            n += 1
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return counts
+
+
+def _cpu(pids) -> float:
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+async def measure(urls, pids, body, clients, seconds, with_gaps=False) -> dict:
+    await _phase(urls, body, clients, 1.0, None)  # warm: connections, caches
+    gaps: list | None = [] if with_gaps else None
+    before, began = _cpu(pids), time.monotonic()
+    counts = await _phase(urls, body, clients, seconds, gaps)
+    wall = time.monotonic() - began
+    cores = (_cpu(pids) - before) / wall
+    out = {
+        "tokens_per_s": round(counts["tokens"] / wall, 1),
+        "requests_per_s": round(counts["requests"] / wall, 1),
+        "router_cores": round(cores, 3),
+    }
+    if counts["tokens"]:
+        out["router_cpu_ms_per_token"] = round(1000 * cores * wall / counts["tokens"], 4)
+    if counts["requests"]:
+        out["router_cpu_ms_per_request"] = round(1000 * cores * wall / counts["requests"], 3)
+    if gaps:
+        gaps.sort()
+        out["gap_p50_ms"] = round(1000 * statistics.median(gaps), 1)
+        out["gap_p99_ms"] = round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1)
+    return out
+
+
+async def with_routers(count: int, nodes: list, infos: list, model_dir: Path, secret: str, use):
+    """Run `count` routers over the nodes with the real keeper and call `await use(ready lines)`;
+    then stop them."""
+    from pdserve.routers import Keeper
+    from pdserve_core.config import PDServeConfig
+
+    config = PDServeConfig.model_validate(
+        {
+            "mode": "colocated",
+            "pools": {"colocated": {"replicas": len(nodes)}},
+            "router": {"replicas": count, "http_port": 0, "grpc_port": 0},
+            "kv_transfer": {"secret": secret},
+        }
+    )
+    keeper = Keeper(config, secret, {"colocated": nodes}, {"colocated": infos}, (model_dir, "m"))
+    served = asyncio.get_running_loop().create_future()
+    keeping = asyncio.create_task(keeper.keep(served.set_result))
+    try:
+        await asyncio.wait([served, keeping], return_when=asyncio.FIRST_COMPLETED)
+        await use(served.result())
+    finally:
+        keeper.stop()
+        await keeping
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--routers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--cadence-streams", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from pdserve_core.model_prep import prepare_default_model
+
+    model_dir = prepare_default_model()
+    cores = os.cpu_count() or 1
+    ray.init(address="local", namespace=f"bench-{secrets.token_hex(4)}", num_cpus=cores)
+    secret = secrets.token_hex(32)
+    results = {"host": platform.processor() or platform.machine(), "cores": cores, "points": []}
+    base = {"model": "m", "prompt": "hello", "stream": True, "ignore_eos": True}
+    plans = {
+        "fast": {
+            "stream": ({**base, "max_tokens": 256}, 64, False),
+            "short": ({**base, "max_tokens": 4}, 64, False),
+        },
+        "cadence": {"cadence": ({**base, "max_tokens": 2000}, args.cadence_streams, True)},
+    }
+    for label, step_s in (("fast", 0.0), ("cadence", GPU_STEP_S)):
+        actor = ray.remote(FakeEngineActor)
+        nodes = [
+            actor.options(name=f"pdserve-colocated-{i}", max_concurrency=1000, num_cpus=0).remote(
+                f"pdserve-colocated-{i}", {"step_s": step_s}, None, "127.0.0.1", None, secret
+            )
+            for i in range(args.nodes)
+        ]
+        infos = ray.get([node.start.remote() for node in nodes])
+        for count in args.routers:
+
+            async def use(ready, count=count, label=label):
+                pids = [r["pid"] for r in ready]
+                for i, pid in enumerate(pids):  # one core each, where there are cores
+                    psutil.Process(pid).cpu_affinity([i % cores])
+                urls = [("127.0.0.1", r["http_port"]) for r in ready]
+                for phase, (body, clients, gaps) in plans[label].items():
+                    point = {"routers": count, "phase": phase, "clients": clients}
+                    point |= await measure(urls, pids, body, clients, args.seconds, gaps)
+                    if phase == "cadence":
+                        point["tokens_per_s_asked"] = round(clients / GPU_STEP_S)
+                        point["step_ms"] = GPU_STEP_S * 1000
+                    print(json.dumps(point), flush=True)
+                    results["points"].append(point)
+
+            asyncio.run(with_routers(count, nodes, infos, model_dir, secret, use))
+        for node in nodes:
+            ray.kill(node)
+    ray.shutdown()
+    out = args.out or REPO / "results/bench/router-scale" / f"{platform.node() or 'host'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
