@@ -22,6 +22,7 @@ that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -53,6 +54,10 @@ from pdserve_core.roofline.live import resolve_peaks
 from pdserve_core.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
 
 logger = logging.getLogger(__name__)
+
+GIVE_BACK_GRACE_S = 2.0
+"""How long after a router's token stream closed a node gives back the KV it kept for that
+router's decode legs: a pull already under way ends first (a pull takes milliseconds)."""
 
 
 def plain_logprobs(logprobs: Any) -> list | None:
@@ -174,7 +179,9 @@ class EngineActor:
         self._blocks = BlockLog()
         """The blocks each finished request left in the engine, for every router to read."""
         self._block_size = 0
-        self._deltas = DeltaServer(name, stream_secret)
+        self._deltas = DeltaServer(name, stream_secret, on_close=self._router_left)
+        self._aside: set[asyncio.Task] = set()
+        """Give-backs under way (kept: a task nobody holds may be collected)."""
         """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
         self._stream_host = stream_host
         """Where the token stream listens ("0.0.0.0": every interface, the Ray node's address
@@ -289,9 +296,11 @@ class EngineActor:
         (vLLM aborts it and frees its blocks)."""
         run = self.handler(leg)
         channel = self._deltas.channel(key)
+        handle = None
         try:
             async with aclosing(run(leg)) as deltas:
                 async for delta in deltas:
+                    handle = delta.handle or handle
                     channel.send(tag, delta)
                     if channel.congested:
                         await channel.drain()
@@ -301,7 +310,35 @@ class EngineActor:
         except Exception as error:  # the request's end, told in order after its deltas
             channel.send(tag, ending(error, f"{leg.KIND} on {self._name}"))
             return
+        if handle is not None and hasattr(self, "give_back"):
+            channel.keep(handle)  # its KV waits here for the router's decode leg
         channel.send(tag, END)
+
+    def _router_left(self, channel: Any) -> None:
+        """A router's token stream closed (it died, or its link did): the KV this node keeps for
+        its decode legs is given back after `GIVE_BACK_GRACE_S` (a pull under way ends first),
+        not when each lease ends."""
+        if channel.kept and hasattr(self, "give_back"):
+            handles = list(channel.kept.values())
+            task = asyncio.get_running_loop().create_task(self._give_back_later(handles))
+            self._aside.add(task)
+            task.add_done_callback(self._aside.discard)
+
+    async def _give_back_later(self, handles: list[dict[str, Any]]) -> None:
+        await asyncio.sleep(GIVE_BACK_GRACE_S)
+        freed = 0
+        for handle in handles:
+            try:
+                freed += bool(await self.give_back(handle))
+            except Exception as error:  # the engine may be gone: its leases went with it
+                logger.warning("%s: giving back %s: %r", self._name, handle, error)
+                return
+        if freed:
+            logger.info(
+                "%s: freed the KV of %d prefills whose router left before their decode",
+                self._name,
+                freed,
+            )
 
     async def _run(
         self,
@@ -366,8 +403,9 @@ class EngineActor:
                     first = False
             # its prompt's blocks, and its output's but the last token's (sampled, never
             # computed): what a conversation's next turn sends back
-            tokens = list(prompt_token_ids) + produced[:-1]
-            self._blocks.add(block_hashes(tokens, self._block_size, salt))
+            if self._block_size:
+                tokens = list(prompt_token_ids) + produced[:-1]
+                self._blocks.add(block_hashes(tokens, self._block_size, salt))
         except VLLMClientError as error:
             raise RequestRejected(str(error)) from None
         except EngineDeadError:

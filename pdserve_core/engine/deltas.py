@@ -39,6 +39,8 @@ import secrets
 import socket
 import ssl
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from pdserve_core.engine.frames import END, carried, encode
@@ -75,6 +77,8 @@ MAX_UNPROVEN_PER_PEER = 8
 REFUSAL_LOG_EVERY_S = 10.0
 HIGH_WATER = 4 << 20
 """Unsent bytes on one channel beyond which the requests' relays wait for the router."""
+KEPT_HANDLES = 4096
+"""KV handles a node remembers per router (the prefills whose decode legs may still come)."""
 MAX_FRAME = 256 << 20
 """Largest frame a router accepts (a frame is one loop turn's deltas: far below this)."""
 
@@ -139,6 +143,15 @@ class Channel:
         self.closed = False
         self.frames_sent = 0
         self.items_sent = 0
+        self.kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        """KV handles of prefills this node ran for the router and keeps for its decode legs,
+        the latest `KEPT_HANDLES` (given back if the router leaves: `DeltaServer.on_close`)."""
+
+    def keep(self, handle: dict[str, Any]) -> None:
+        """This router's prefill left its KV here under `handle`."""
+        self.kept[str(handle.get("remote_request_id"))] = handle
+        while len(self.kept) > KEPT_HANDLES:
+            self.kept.popitem(last=False)
 
     def send(self, tag: int, item: Any) -> None:
         if self.closed:
@@ -170,8 +183,15 @@ class DeltaServer:
     """The engine actor's listener: one `Channel` per router that proved the cluster secret,
     found by its key. Without a secret it registers no channel at all."""
 
-    def __init__(self, name: str, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        secret: str | bytes | None = None,
+        on_close: Callable[[Channel], None] | None = None,
+    ) -> None:
         self.name = name
+        self.on_close = on_close
+        """Called with each channel whose connection closed (its router left or was cut off)."""
         self.channels: dict[bytes, Channel] = {}
         self._secret = secret_bytes(secret)
         self._server: asyncio.Server | None = None
@@ -238,6 +258,8 @@ class DeltaServer:
                 if self.channels.get(key) is channel:
                     del self.channels[key]
                 writer.close()
+                if self.on_close is not None:
+                    self.on_close(channel)
                 logger.info(
                     "%s: token stream to %s closed (%d deltas in %d frames)",
                     self.name,
