@@ -15,7 +15,7 @@ Phases, each `--seconds` long, for each router count:
   tokens (p50, p99) against the step;
 and for every phase the routers' CPU (cores busy, summed over the routers) and CPU per token or
 request. On a 2-core host the client and the nodes share the cores with the routers, so the
-scaling measured there is a floor. Writes results/bench/router-scale/<host>.json:
+scaling measured there is a floor. Writes results/bench/router-scale/<cpu>-<cores>c.json:
     python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8]
 """
 
@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import secrets
 import statistics
 import sys
@@ -43,12 +44,14 @@ from pdserve_core.engine.actor import EngineActor  # noqa: E402
 from pdserve_core.engine.types import NodeInfo  # noqa: E402
 
 GPU_STEP_S = 0.025
-EVENT = b'data: {"id"'
+TOKEN = b"~"
+"""Each fake token's text: nothing else in a response has it, so counting it counts tokens, however
+many the router put in one event."""
 
 
 class FakeEngine:
     """What the engine actor asks of vLLM's AsyncLLM, answered without a model: every step each
-    running request gets one token (id 100 + its position, text " t"). `step_s` 0: each request
+    running request gets one token (id 100 + its position, text `TOKEN`). `step_s` 0: each request
     yields its tokens as fast as its consumer takes them."""
 
     errored = False
@@ -75,7 +78,7 @@ class FakeEngine:
             completion = SimpleNamespace(
                 index=0,
                 token_ids=[100 + i],
-                text=" t",
+                text=TOKEN.decode(),
                 finish_reason="length" if last else None,
                 stop_reason=None,
                 logprobs=None,
@@ -122,14 +125,14 @@ class FakeEngineActor(EngineActor):
 
 
 async def _sse(address, body: bytes, counts: dict, gaps: list | None, end: float) -> None:
-    """POST one streamed request and read it until it ends or `end`: its events (tokens) count
-    while the phase runs, the gaps between them go to `gaps`."""
+    """POST one streamed request and read it until it ends or `end`: its tokens count while the
+    phase runs, the gaps between reads that brought tokens go to `gaps`."""
     reader, writer = await asyncio.open_connection(*address)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
-    tail, last = b"", None
+    last = None
     try:
         while True:
             left = end - time.monotonic()
@@ -142,14 +145,13 @@ async def _sse(address, body: bytes, counts: dict, gaps: list | None, end: float
             if not data:
                 counts["requests"] += 1
                 return
-            seen = (tail + data).count(EVENT) - tail.count(EVENT)
+            seen = data.count(TOKEN)
             now = time.monotonic()
             if seen and gaps is not None:
                 if last is not None:
                     gaps.append(now - last)
                 last = now
             counts["tokens"] += seen
-            tail = data[-16:]
     finally:
         writer.close()
 
@@ -227,6 +229,13 @@ async def with_routers(count: int, nodes: list, infos: list, model_dir: Path, se
         await keeping
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--routers", type=int, nargs="+", default=[1, 2, 4])
@@ -242,7 +251,7 @@ def main() -> int:
     cores = os.cpu_count() or 1
     ray.init(address="local", namespace=f"bench-{secrets.token_hex(4)}", num_cpus=cores)
     secret = secrets.token_hex(32)
-    results = {"host": platform.processor() or platform.machine(), "cores": cores, "points": []}
+    results = {"host": cpu_model(), "cores": cores, "points": []}
     base = {"model": "m", "prompt": "hello", "stream": True, "ignore_eos": True}
     plans = {
         "fast": {
@@ -280,7 +289,8 @@ def main() -> int:
         for node in nodes:
             ray.kill(node)
     ray.shutdown()
-    out = args.out or REPO / "results/bench/router-scale" / f"{platform.node() or 'host'}.json"
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
+    out = args.out or REPO / "results/bench/router-scale" / f"{slug}-{cores}c.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
