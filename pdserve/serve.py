@@ -355,7 +355,11 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
             from pdserve.routers import Keeper
 
             keeper = Keeper(config, secret, pools, infos, (model_dir, served))
-            asyncio.run(keeper.keep(ready))
+            try:
+                asyncio.run(keeper.keep(ready))
+            except RuntimeError as error:  # a router that could not start (its log says why)
+                logger.error("%s; shutting down", error)
+                return 1
             logger.info("routers stopped; shutting down")
         else:
             factory = RayNodeFactory(config, model_dir, served, secret, actors)
