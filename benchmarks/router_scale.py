@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -42,6 +41,7 @@ import ray  # noqa: E402
 
 from pdserve_core.engine.actor import EngineActor  # noqa: E402
 from pdserve_core.engine.types import NodeInfo  # noqa: E402
+from tests.helpers.engine_outputs import step_output  # noqa: E402
 
 GPU_STEP_S = 0.025
 TOKEN = b"~"
@@ -75,21 +75,7 @@ class FakeEngine:
             else:
                 await asyncio.sleep(0)
             last = i + 1 == params.max_tokens
-            completion = SimpleNamespace(
-                index=0,
-                token_ids=[100 + i],
-                text=TOKEN.decode(),
-                finish_reason="length" if last else None,
-                stop_reason=None,
-                logprobs=None,
-            )
-            yield SimpleNamespace(
-                outputs=[completion],
-                finished=last,
-                kv_transfer_params=None,
-                prompt_logprobs=None,
-                num_cached_tokens=0,
-            )
+            yield step_output(100 + i, TOKEN.decode(), last)
 
     async def abort(self, request_id: str) -> None:
         pass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +14,7 @@ from pdserve_core.engine import actor
 from pdserve_core.engine.legs import Prefill
 from prefill_node.node import PrefillNode
 from router.links.token_stream import TokenStream
+from tests.helpers.engine_outputs import step_output
 
 SECRET = "the-cluster-secret"
 
@@ -23,22 +23,8 @@ class OneStepEngine:
     """vLLM's side of a prefill: one step, one token, the KV handle on the finished output."""
 
     async def generate(self, prompt, params, request_id):
-        completion = SimpleNamespace(
-            index=0,
-            token_ids=[7],
-            text="x",
-            finish_reason="length",
-            stop_reason=None,
-            logprobs=None,
-        )
         handle = {"remote_request_id": request_id, "lease_deadline": time.time() + 30}
-        yield SimpleNamespace(
-            outputs=[completion],
-            finished=True,
-            kv_transfer_params=handle,
-            prompt_logprobs=None,
-            num_cached_tokens=0,
-        )
+        yield step_output(7, "x", True, handle)
 
 
 def prefill(request_id: str) -> Prefill:
