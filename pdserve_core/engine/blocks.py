@@ -26,7 +26,9 @@ def root(salt: str | None) -> int:
     """The parent of a prompt's first block: its cache salt's, the same in every process."""
     if not salt:
         return UNSALTED
-    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"pdserve-salt").digest()
+    # any str a client can send, a lone surrogate from a JSON escape included
+    data = salt.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(data, digest_size=8, person=b"pdserve-salt").digest()
     return int.from_bytes(digest, "big")
 
 

@@ -315,8 +315,10 @@ def send(url: str, headers: dict, name: str, path: str, body: object) -> Answer:
             timeout=CLIENT_TIMEOUT_S,
         ) as response:
             text = response.read().decode(errors="replace")
-    except httpx.HTTPError as error:
-        return Answer(name, 0, time.monotonic() - started, f"no answer: {error!r}")
+    except httpx.HTTPError as error:  # what was sent and when, to replay it
+        took = time.monotonic() - started
+        problem = f"no answer after {took:.1f} s: {error!r} — sent {raw[:400]!r}"
+        return Answer(name, 0, took, problem)
     problem = _judge(response, text)
     if problem:  # what was sent, to replay it
         problem += f" — sent {raw[:400]!r}"

@@ -247,6 +247,9 @@ def test_a_block_is_named_alike_in_every_process():
     }
     here = f"{block_hashes(list(range(100)), 16, 'tenant-a')} {block_hashes([7] * 40, 16)}\n"
     assert runs == {here}
+    # any salt a client can send names its own blocks, a lone surrogate (a JSON escape) too
+    salts = ["", "tenant-a", "\ud800", "\udc00x", "\U0001f600"]
+    assert len({block_hashes([1] * 16, 16, salt)[0] for salt in salts}) == len(salts)
 
 
 def test_a_node_log_hands_each_router_what_it_has_not_seen():
