@@ -180,9 +180,9 @@ class EngineActor:
         """The blocks each finished request left in the engine, for every router to read."""
         self._block_size = 0
         self._deltas = DeltaServer(name, stream_secret, on_close=self._router_left)
+        """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
         self._aside: set[asyncio.Task] = set()
         """Give-backs under way (kept: a task nobody holds may be collected)."""
-        """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
         self._stream_host = stream_host
         """Where the token stream listens ("0.0.0.0": every interface, the Ray node's address
         told to routers)."""

@@ -90,11 +90,7 @@ class NodePrefixes:
 
     def record(self, info: Any, prefix: Prefix) -> None:
         """The node now holds `prefix`'s full blocks (the most recently used)."""
-        blocks = self._current(info)
-        for block in prefix.hashes(self._block_size(info)):
-            blocks[block] = None
-            blocks.move_to_end(block)
-        self._bound(info)
+        self.record_blocks(info, prefix.hashes(self._block_size(info)))
 
     def record_blocks(self, info: Any, hashes: Iterable[int]) -> None:
         """The node holds these blocks (named in its own log), the most recently used."""
@@ -102,12 +98,9 @@ class NodePrefixes:
         for block in hashes:
             blocks[block] = None
             blocks.move_to_end(block)
-        self._bound(info)
-
-    def _bound(self, info: Any) -> None:
         capacity = getattr(info, "num_blocks", 0) or DEFAULT_BLOCKS
-        while len(self._blocks) > capacity:
-            self._blocks.popitem(last=False)
+        while len(blocks) > capacity:
+            blocks.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._blocks)
