@@ -15,8 +15,15 @@ Phases, each `--seconds` long, for each router count:
   tokens (p50, p99) against the step;
 and for every phase the routers' CPU (cores busy, summed over the routers) and CPU per token or
 request. On a 2-core host the client and the nodes share the cores with the routers, so the
-scaling measured there is a floor. Writes results/bench/router-scale/<cpu>-<cores>c.json:
-    python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8]
+scaling measured there is a floor.
+
+Beside them (`--vllm`, on by default), what a user would run instead: vLLM's own OpenAI server
+(its app and serving layer, built as `vllm serve` builds them) over an engine client that costs
+nothing — it checks each request with vLLM's input processor, as vLLM's engine client does, and
+then answers with the same fake steps in its own process (no engine core, no detokenizer), pinned
+to one core. The same phases, the same client. Writes
+results/bench/router-scale/<cpu>-<cores>c.json:
+    python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -108,6 +115,68 @@ class FakeEngineActor(EngineActor):
             start_s=0.0,
             num_blocks=1 << 16,
         )
+
+
+def null_vllm_client(step_s: float):
+    """vLLM's `EngineClient` over `FakeEngine`: the checks vLLM's own client makes (its input
+    processor), then real `RequestOutput`s from the fake steps (one per step in DELTA mode, as
+    the serving layer asks for streams; the whole output at the end otherwise)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind
+
+    from router.faces.vllm_face import SUPPORTED_TASKS, PoolsEngineClient
+
+    class NullEngineClient(PoolsEngineClient):
+        def __init__(self, vllm_config) -> None:
+            super().__init__(None, vllm_config)
+            self.engine = FakeEngine(step_s)
+
+        async def generate(self, prompt, sampling_params, request_id, **kwargs):
+            checks = self.input_processor
+            checks.process_inputs(request_id, prompt, sampling_params, SUPPORTED_TASKS)
+            delta = sampling_params.output_kind == RequestOutputKind.DELTA
+            ids, token_ids, text = list(prompt["prompt_token_ids"]), [], ""
+            async for step in self.engine.generate(prompt, sampling_params, request_id):
+                new = step.outputs[0]
+                token_ids = new.token_ids if delta else [*token_ids, *new.token_ids]
+                text = new.text if delta else text + new.text
+                if delta or step.finished:
+                    out = CompletionOutput(
+                        index=0,
+                        text=text,
+                        token_ids=list(token_ids),
+                        cumulative_logprob=None,
+                        logprobs=None,
+                        finish_reason=new.finish_reason,
+                    )
+                    yield RequestOutput(
+                        request_id, None, ids, None, [out], step.finished, num_cached_tokens=0
+                    )
+
+    return NullEngineClient
+
+
+def serve_null_vllm(model_dir: str, step_s: float) -> None:
+    """`--serve-null-vllm`: vLLM's OpenAI app over `null_vllm_client` on a free loopback port;
+    prints the port once it serves."""
+    import socket
+
+    import uvicorn
+
+    from router.faces.vllm_face import build_face, vllm_args
+
+    async def main() -> None:
+        app = await build_face(null_vllm_client(step_s), vllm_args(model_dir, "m"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.05)
+        print(sock.getsockname()[1], flush=True)
+        await task
+
+    asyncio.run(main())
 
 
 async def _sse(address, body: bytes, counts: dict, gaps: list | None, end: float) -> None:
@@ -215,6 +284,29 @@ async def with_routers(count: int, nodes: list, infos: list, model_dir: Path, se
         await keeping
 
 
+def with_null_vllm(step_s: float, plan: dict, seconds: float) -> list[dict]:
+    """The plan's phases against vLLM's own server over a null engine (`serve_null_vllm`), in a
+    process of its own pinned to core 0 as router 0 is."""
+    import subprocess
+
+    command = [sys.executable, __file__, "--serve-null-vllm", str(step_s)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        psutil.Process(server.pid).cpu_affinity([0])
+        points = []
+        for phase, (body, clients, gaps) in plan.items():
+            point = {"server": "vllm-null-engine", "phase": phase, "clients": clients}
+            point |= asyncio.run(
+                measure([("127.0.0.1", port)], [server.pid], body, clients, seconds, gaps)
+            )
+            points.append({k.replace("router_", "server_"): v for k, v in point.items()})
+        return points
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -229,7 +321,19 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--cadence-streams", type=int, default=128)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure vLLM's own OpenAI server over a null engine beside the routers",
+    )
+    parser.add_argument("--serve-null-vllm", type=float, metavar="STEP_S", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_null_vllm is not None:  # the vLLM server's own process (below)
+        from pdserve_core.model_prep import prepare_default_model
+
+        serve_null_vllm(str(prepare_default_model()), args.serve_null_vllm)
+        return 0
 
     from pdserve_core.model_prep import prepare_default_model
 
@@ -274,6 +378,10 @@ def main() -> int:
             asyncio.run(with_routers(count, nodes, infos, model_dir, secret, use))
         for node in nodes:
             ray.kill(node)
+        if args.vllm:
+            for point in with_null_vllm(step_s, plans[label], args.seconds):
+                print(json.dumps(point), flush=True)
+                results["points"].append(point)
     ray.shutdown()
     slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
     out = args.out or REPO / "results/bench/router-scale" / f"{slug}-{cores}c.json"

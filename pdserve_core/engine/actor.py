@@ -172,6 +172,8 @@ class EngineActor:
         self._engine_args = engine_args
         self._peaks = peaks or {}
         self._engine = None
+        self._build: asyncio.Future | None = None
+        """The engine's build under way, or the one that made the engine serving now."""
         self._stats = NodeStats()
         self._collector = StatsCollector(self._stats)
         self._gpu: GpuSampler | None = None
@@ -191,7 +193,21 @@ class EngineActor:
         self._stream_context = None
 
     async def start(self) -> NodeInfo:
-        """Build the vLLM engine; returns what the router needs to know about it."""
+        """Build the vLLM engine, once; returns what the router needs to know about it.
+
+        Every router that finds the node without an engine asks for one (after a restart by
+        Ray, a dead or stuck engine): a call while an engine is being built waits for that
+        build, and a call once it serves answers with its start, so several routers make one
+        engine. After a failed build, or once the engine is dropped, the next call builds
+        again."""
+        build = self._build
+        if build is None or (
+            build.done() and (self._engine is None or build.cancelled() or build.exception())
+        ):
+            build = self._build = asyncio.ensure_future(self._start())
+        return await asyncio.shield(build)  # a caller that gives up leaves the build running
+
+    async def _start(self) -> NodeInfo:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

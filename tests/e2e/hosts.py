@@ -45,14 +45,18 @@ class HostCluster:
         return int(Path(f"/sys/class/net/{link}/statistics/{name}").read_text())
 
 
-def config_for_test(work: Path, dtype: str = "float32", kv: dict | None = None) -> Path:
+def config_for_test(
+    work: Path, dtype: str = "float32", kv: dict | None = None, routers: int = 1
+) -> Path:
     """deploy/config/cluster-cpu.yaml as written, with what a test needs on top: float32 (exact
     comparisons), every prompt prefilled on the prefill host (every request's KV crosses a
-    link), and short leases (blocks of a cut pull come back within the test); `kv`: more
-    `kv_transfer` settings."""
+    link), cached prompt tokens in usage, `routers` routers on the head, and short leases
+    (blocks of a cut pull come back within the test); `kv`: more `kv_transfer` settings."""
     config = yaml.safe_load((REPO / "deploy/config/cluster-cpu.yaml").read_text())
     config["engine"]["dtype"] = dtype
     config["router"]["placement"] = {"mode": "remote"}
+    config["router"]["enable_prompt_tokens_details"] = True
+    config["router"]["replicas"] = routers
     config["kv_transfer"]["lease_s"] = 20
     config["kv_transfer"].update(kv or {})
     path = work / "cluster.yaml"
@@ -60,7 +64,11 @@ def config_for_test(work: Path, dtype: str = "float32", kv: dict | None = None) 
     return path
 
 
-def bring_up(work: Path, dtype: str = "float32", kv: dict | None = None) -> HostCluster:
+def bring_up(
+    work: Path, dtype: str = "float32", kv: dict | None = None, routers: int = 1
+) -> HostCluster:
+    """The cluster up, `pdserve serve` ready on the head with `routers` routers (the server's
+    `routers` list their URLs at the head's address, router 0 first)."""
     try:  # a cluster left by an interrupted run: take it down first
         EmulatedCluster.find(PREFIX).down()
     except HostsError:
@@ -79,7 +87,7 @@ def bring_up(work: Path, dtype: str = "float32", kv: dict | None = None) -> Host
         command = [sys.executable, "-m", "pdserve.cli", "serve"]
         command += [
             "--config",
-            str(config_for_test(work, dtype, kv)),
+            str(config_for_test(work, dtype, kv, routers)),
             "--port",
             "0",
             "--grpc-port",
@@ -91,11 +99,17 @@ def bring_up(work: Path, dtype: str = "float32", kv: dict | None = None) -> Host
                 stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         urls = _wait_ready(serve, ready, log)
-        port = urls["http"].rsplit(":", 1)[1]
-        url = f"http://{hosts.address('head')}:{port}"
+        head = hosts.address("head")
+
+        def at_head(http: str) -> str:  # the router listens on every interface of the head
+            return f"http://{head}:{http.rsplit(':', 1)[1]}"
+
+        url = at_head(urls["http"])
+        each = [{**r, "http": at_head(r["http"])} for r in urls.get("routers", [])]
         headers = {"Authorization": f"Bearer {API_KEY}"}
         model = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-        return HostCluster(hosts, Server(url, serve, log, model, "", headers), serve)
+        server = Server(url, serve, log, model, "", headers, routers=each)
+        return HostCluster(hosts, server, serve)
     except BaseException:
         hosts.down()
         raise

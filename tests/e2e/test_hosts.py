@@ -1,7 +1,12 @@
-"""pdserve on a cluster of hosts: four network namespaces on this machine (the head with the
-router, a prefill host, two decode hosts), Ray started on each with the launcher file's own
-commands and token auth, `pdserve serve` on the head with deploy/config/cluster-cpu.yaml, and the
-client on this machine. Every request's KV crosses the prefill host's link to a decode host's.
+"""pdserve on a cluster of hosts: four network namespaces on this machine (the head with two
+routers, a prefill host, two decode hosts), Ray started on each with the launcher file's own
+commands and token auth, `pdserve serve --routers 2` on the head with
+deploy/config/cluster-cpu.yaml, and the client on this machine. Every request's KV crosses the
+prefill host's link to a decode host's.
+
+The routers share the nodes: a conversation whose turns alternate between them goes back to the
+decode host that holds it, as through one router, and a router killed mid-stream costs only its
+own stream, whose request the nodes end within seconds.
 
 Then the links fail: a decode host's cable is pulled mid-stream (its streams continue on the
 other decode host, the pool follows, and the host rejoins when its cable is back), the prefill
@@ -12,6 +17,8 @@ a token (float32: a resumed stream equals the uncut one), and no KV block stays 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +41,7 @@ continuation's prefill on a loaded 2-core machine)."""
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
-    cluster = bring_up(tmp_path_factory.mktemp("hosts"))
+    cluster = bring_up(tmp_path_factory.mktemp("hosts"), routers=2)
     yield cluster
     left = tear_down(cluster)
     assert left == [], f"engine processes left on the hosts: {left}"
@@ -54,15 +61,17 @@ class Stream:
         return max(gaps, default=0.0)
 
 
-def stream(cluster, max_tokens: int, prompt: str = PROMPT, into: Stream | None = None) -> Stream:
-    """A greedy streamed completion, read chunk by chunk (arrival times kept)."""
+def stream(
+    cluster, max_tokens: int, prompt: str = PROMPT, into: Stream | None = None, router: int = 0
+) -> Stream:
+    """A greedy streamed completion through `router`, read chunk by chunk (arrival times kept)."""
     out = into or Stream()
     body = {
         "model": cluster.server.model, "prompt": prompt, "max_tokens": max_tokens,
         "temperature": 0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    url = f"{cluster.server.url}/v1/completions"
+    url = f"{cluster.server.routers[router]['http']}/v1/completions"
     with httpx.stream("POST", url, json=body, headers=cluster.server.headers, timeout=180) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -141,6 +150,121 @@ def test_each_pool_lives_on_its_hosts_and_kv_crosses_the_links(cluster):
             cluster.server, "pdserve_kv_transfer_bytes_total", node=name, direction="received"
         )
         assert received > 0, name
+
+
+def at_router(cluster, router: int, path: str) -> httpx.Response:
+    url = f"{cluster.server.routers[router]['http']}{path}"
+    return httpx.get(url, headers=cluster.server.headers, timeout=10)
+
+
+def decode_legs(cluster, router: int) -> dict[str, float]:
+    """The decode legs `router` has sent, per node."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = at_router(cluster, router, "/metrics").text
+    return {
+        sample.labels["node"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pdserve_routing_decisions_total" and sample.labels["pool"] == "decode"
+    }
+
+
+def blocks_known(cluster, router: int) -> int:
+    """The prompt blocks `router` takes the decode nodes to hold."""
+    decode = at_router(cluster, router, "/health").json()["pools"]["decode"]["nodes"]
+    return sum(node["prefix_blocks_known"] for node in decode)
+
+
+def converse(cluster, opening: str, routers: list[int]) -> list[tuple[int, str]]:
+    """A conversation, turn i through router `routers[i]`, each turn's prompt the history so far
+    and a new line; returns each turn's (cached prompt tokens, decode node). Before a turn that
+    goes to the other router, that router has read the last turn's blocks from the nodes (what a
+    person's time to reply gives it: a health check, one second)."""
+    prompt, turns = opening, []
+    for i, router in enumerate(routers):
+        following = routers[i + 1] if i + 1 < len(routers) else router
+        known = blocks_known(cluster, following)
+        legs = decode_legs(cluster, router)
+        body = {
+            "model": cluster.server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True,
+        }  # fmt: skip
+        url = f"{cluster.server.routers[router]['http']}/v1/completions"
+        answer = httpx.post(url, json=body, headers=cluster.server.headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        after = decode_legs(cluster, router)
+        [node] = [name for name, count in after.items() if count != legs.get(name, 0)]
+        turns.append(((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), node))
+        prompt += answer.json()["choices"][0]["text"] + f"\nChapter {i + 2}."
+        if following != router:
+            read = lambda r=following, k=known: blocks_known(cluster, r) > k  # noqa: E731
+            wait_for(read, 10, "the node's log read")
+    return turns
+
+
+def test_a_conversation_alternating_routers_finds_its_cache_as_through_one(cluster):
+    history = " ".join([PROMPT] * 30)  # ~500 tokens: several blocks of history from turn 1
+    one = converse(cluster, f"One. {history}", [0, 0, 0])
+    alternating = converse(cluster, f"Two. {history}", [1, 0, 1])
+    print(f"cached prompt tokens, decode node per turn: one router {one}, alternating "
+          f"{alternating}")  # fmt: skip
+    for turns in (one, alternating):  # back to the decode host that holds the conversation
+        assert {node for _, node in turns} == {turns[0][1]}, turns
+    cached_one = sum(cached for cached, _ in one[1:])
+    cached_alternating = sum(cached for cached, _ in alternating[1:])
+    assert cached_one > 0
+    assert abs(cached_alternating - cached_one) <= 0.1 * cached_one
+
+
+LONG = 160
+"""Tokens of a stream that must still run when its router is killed (seconds of decode)."""
+
+
+def test_a_router_killed_mid_stream_costs_only_its_own_stream(cluster):
+    reference = stream(cluster, LONG)
+    wait_for(lambda: all(n["running"] == 0 for n in nodes(cluster, "decode")), 30, "idle")
+    kept, cut = Stream(), Stream()
+
+    def cut_short() -> None:
+        try:
+            stream(cluster, LONG, into=cut, router=1)
+        except httpx.HTTPError as error:  # its router died: the connection ends unfinished
+            cut.error = repr(error)
+
+    threads = [
+        threading.Thread(target=stream, args=(cluster, LONG), kwargs={"into": kept}),
+        threading.Thread(target=cut_short),
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(kept.arrivals) >= 3 and len(cut.arrivals) >= 3, 120, "both flowing")
+    wait_for(lambda: sum(n["running"] for n in nodes(cluster, "decode")) == 2, 10, "both seen")
+    pid = cluster.server.routers[1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(
+        lambda: sum(n["running"] for n in nodes(cluster, "decode")) <= 1,
+        5,
+        "the dead router's request ended on its decode host",
+    )
+    print(f"router killed: its request ended on the node within {time.monotonic() - killed:.1f} s")
+    for thread in threads:
+        thread.join(timeout=180)
+    assert kept.error is None and kept.finish == "length" and kept.text == reference.text, kept
+    assert cut.finish is None and len(cut.arrivals) < LONG, cut  # it ended with its router
+    assert all(n["kv_blocks_held"] == 0 for n in nodes(cluster, "prefill"))
+    # the keeper starts the router again on its port, and it serves
+    wait_for(lambda: _answers(cluster, 1), 60, "router 1 back")
+    assert stream(cluster, 8, router=1).usage["completion_tokens"] == 8
+
+
+def _answers(cluster, router: int) -> bool:
+    try:
+        return at_router(cluster, router, "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_a_decode_hosts_cable_pulled_mid_stream_continues_on_the_other(cluster):
