@@ -18,6 +18,14 @@ start), and keeps them:
 Router 0 alone exports the node and pool series at /metrics, so that summing a series over the
 routers counts each node once; every router exports its own request series. A router's process
 dies with the keeper (Linux's parent-death signal), so no router outlives the nodes.
+
+With `pools.autoscale` the keeper alone decides (router/decides/autoscale.py): it health-checks
+the nodes itself, runs the autoscaler over pools of its own, starts and stops nodes (it owns
+their actors, so they outlive any router), and after each check tells every router its decision
+and, when the pools changed, the roster that results (router/roster.py) — one JSON line on the
+router's stdin each. Every router follows the roster; router 0 counts the decisions in
+`pdserve_autoscale_decisions_total`. So each check is decided once, whatever the number of
+routers, and a router started again is told the roster of its time.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -69,7 +78,10 @@ class Keeper:
         pools: dict[str, list],
         infos: dict[str, list],
         model: tuple[Path, str],
+        scaling: tuple[dict[str, list], Any] | None = None,
     ) -> None:
+        """`scaling`: with `pools.autoscale`, the nodes as the router sees them (role -> `Node`)
+        and the factory that starts and stops nodes: the keeper then decides for the routers."""
         kv = config.kv_transfer.model_copy(update={"secret": secret})
         self._config = config.model_copy(update={"kv_transfer": kv})
         context = ray.get_runtime_context()
@@ -86,15 +98,27 @@ class Keeper:
             _Router(i, http and http + i, grpc and grpc + i) for i in range(config.router.replicas)
         ]
         self._stop = asyncio.Event()
+        self._scaling = None if scaling is None else _Scaling(config, *scaling, self._tell)
 
     def _task(self, router: _Router) -> bytes:
-        """What router `router` is told on its stdin."""
+        """What router `router` is told on its stdin: one line."""
         ports = {"http_port": router.http_port, "grpc_port": router.grpc_port}
         config = self._config.model_copy(
             update={"router": self._config.router.model_copy(update=ports)}
         )
         task = {**self._part, "index": router.index, "config": config.model_dump(mode="json")}
-        return json.dumps(task).encode()
+        if self._scaling is not None:  # the pools as they are now
+            task["nodes"] = self._scaling.roster
+        return json.dumps(task).encode() + b"\n"
+
+    def _tell(self, message: dict) -> None:
+        """One line to every router that runs (the keeper's decisions, router/roster.py)."""
+        line = json.dumps(message).encode() + b"\n"
+        for router in self._routers:
+            process = router.process
+            if process is not None and process.returncode is None:
+                with contextlib.suppress(ConnectionError, RuntimeError):  # it is exiting
+                    process.stdin.write(line)
 
     async def _start(self, router: _Router) -> dict:
         """Start `router`'s process and wait for its line saying where it serves."""
@@ -106,9 +130,8 @@ class Keeper:
             stdout=asyncio.subprocess.PIPE,
         )
         router.process = process
-        process.stdin.write(self._task(router))
+        process.stdin.write(self._task(router))  # stdin stays open: the keeper's word follows
         await process.stdin.drain()
-        process.stdin.close()
         try:
             line = await asyncio.wait_for(process.stdout.readline(), READY_TIMEOUT_S)
         except TimeoutError:
@@ -172,6 +195,8 @@ class Keeper:
             asyncio.create_task(self._keep(router, ready))
             for router, ready in zip(self._routers, served, strict=True)
         ]
+        if self._scaling is not None:
+            self._scaling.start()
         try:
             waiting = asyncio.gather(*served)
             stopped = asyncio.create_task(self._stop.wait())
@@ -184,6 +209,8 @@ class Keeper:
                 await asyncio.gather(waiting, return_exceptions=True)
         finally:
             self._stop.set()
+            if self._scaling is not None:
+                await self._scaling.stop()
             await asyncio.gather(*(self._end(router) for router in self._routers))
             await asyncio.gather(*keeping, return_exceptions=True)
 
@@ -208,6 +235,46 @@ class Keeper:
             )
             process.kill()
             await process.wait()
+
+
+class _Scaling:
+    """The keeper's autoscaler: its own pools and health checks over the nodes, the autoscaler
+    over them, and `tell` after each check (the decision, and the roster when it changed)."""
+
+    def __init__(self, config: PDServeConfig, members: dict[str, list], factory, tell) -> None:
+        from router import build
+
+        self._pools = build.pools(config, members)
+        self._watches = build.memberships(config, self._pools.values(), prefix_aware=False)
+        self._scaler = build.pool_scaler(
+            config, self._pools["prefill"], self._pools["decode"], self._decided, factory
+        )
+        self._tell = tell
+        self.roster = self._describe()
+
+    def _describe(self) -> dict[str, list[dict]]:
+        from router.roster import describe
+
+        return describe(self._pools)
+
+    def _decided(self, decision) -> None:
+        message: dict[str, Any] = {
+            "decision": {"action": decision.action, "reason": decision.reason}
+        }
+        roster = self._describe()
+        if roster != self.roster:  # a move or a removal now, a node started since the last
+            self.roster = message["roster"] = roster
+        self._tell(message)
+
+    def start(self) -> None:
+        for watch in self._watches:
+            watch.start()
+        self._scaler.start()
+
+    async def stop(self) -> None:
+        await self._scaler.stop()
+        for watch in self._watches:
+            await watch.stop()
 
 
 def _exit_reason(code: int) -> str:

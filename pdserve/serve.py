@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from pdserve_core.config import DEFAULT_MODEL, PDServeConfig, engine_threads
 from pdserve_core.model_prep import prepare_default_model
 from pdserve_core.roofline.serving import default_chunk_size
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("pdserve.serve")  # as well when run as `python -m pdserve.serve`
 
 
 def resolve_model(config: PDServeConfig) -> Path:
@@ -150,9 +151,12 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=None) -> None:
+async def _serve(
+    service, config: PDServeConfig, on_ready, scaler=None, model=None, listen=None
+) -> None:
     """Serve HTTP and gRPC until SIGINT/SIGTERM, with the pools' health watchers alongside;
-    then stop both servers gracefully and return (uvicorn would re-raise the signal)."""
+    then stop both servers gracefully and return (uvicorn would re-raise the signal).
+    `listen(loop)`: starts following the keeper (several routers)."""
     import uvicorn
 
     from router.faces.connections import uvicorn_config
@@ -166,11 +170,13 @@ async def _serve(service, config: PDServeConfig, on_ready, scaler=None, model=No
 
     from router import build
 
-    watches = build.memberships(config, service.dispatcher)
+    watches = build.memberships(config, service.dispatcher.pools.values())
     for watch in watches:
         watch.start()
     if scaler is not None:
         scaler.start()
+    if listen is not None:
+        listen(asyncio.get_running_loop())
     router = config.router
     host = router.host
     tls = router.tls.files() if router.tls else None
@@ -258,10 +264,13 @@ def serve_router(
     on_ready,
     factory: RayNodeFactory | None = None,
     node_series: bool = True,
+    keeper: Any = None,
 ) -> None:
     """One router over the started nodes (`pools`: their actors, `infos`: what each said at its
     start), serving until SIGINT/SIGTERM. `factory`: the autoscaler's, if this router runs it;
-    `node_series`: whether its /metrics exports the node and pool series."""
+    `node_series`: whether its /metrics exports the cluster's series (the nodes, the pools, the
+    keeper's autoscale decisions); `keeper`: the lines of the keeper that runs this router, to
+    follow (pdserve/routers.py)."""
     from router import build
     from router.decides.admission import Admission
     from router.metrics import RouterMetrics
@@ -289,7 +298,59 @@ def serve_router(
         build.request_limits(config),
     )
     metrics.in_flight.set_function(lambda: admission.outstanding)
-    asyncio.run(_serve(service, config, on_ready, scaler, model))
+    listen = None
+    if keeper is not None:
+        counting = node_series and config.pools.autoscale.enabled
+        count = metrics.count_autoscale() if counting else None
+        listen = _follower(keeper, dispatcher, lambda info: _reach(config, info, secret), count)
+    asyncio.run(_serve(service, config, on_ready, scaler, model, listen))
+
+
+def _reach(config: PDServeConfig, info, secret: str):
+    """A node this router has not met, by its name in the run's Ray namespace."""
+    from router.links.nodes import Node
+
+    client = ray_node_client(config, ray.get_actor(info.name), info.name, secret)
+    return Node(info.name, client, info)
+
+
+def node_info(described: dict[str, Any]):
+    """A node's start info as the keeper sends it (JSON)."""
+    from pdserve_core.engine.types import NodeInfo
+
+    return NodeInfo(**{**described, "kv_ports": tuple(described["kv_ports"])})
+
+
+def _follower(lines, dispatcher, reach, count=None):
+    """What a router does with the keeper's lines after its task: make its pools hold each
+    roster (router/roster.py; `reach(info)`: a node it has not met), and `count(action,
+    reason)` each decision (router 0). Returns `listen(loop)`, which starts reading them (a
+    thread: a pipe) onto the loop."""
+    from router.roster import follow
+
+    def heard(line: str) -> None:
+        try:
+            message = json.loads(line)
+            if "roster" in message:
+                roster = {
+                    role: [node_info(info) for info in infos]
+                    for role, infos in message["roster"].items()
+                }
+                for change in follow(dispatcher.pools, roster, reach):
+                    logger.info("autoscale, as the keeper decided: %s", change)
+            if count is not None and "decision" in message:
+                count(message["decision"]["action"], message["decision"]["reason"])
+        except Exception:  # a bad line costs that line, not the router
+            logger.exception("the keeper's line %r", line[:200])
+
+    def listen(loop: asyncio.AbstractEventLoop) -> None:
+        def read() -> None:
+            for line in lines:
+                loop.call_soon_threadsafe(heard, line)
+
+        threading.Thread(target=read, name="keeper", daemon=True).start()
+
+    return listen
 
 
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
@@ -354,7 +415,12 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
         if config.router.replicas > 1:
             from pdserve.routers import Keeper
 
-            keeper = Keeper(config, secret, pools, infos, (model_dir, served))
+            scaling = None
+            if config.pools.autoscale.enabled:  # decided once, in the keeper
+                factory = RayNodeFactory(config, model_dir, served, secret, actors)
+                scaling = (_members(config, pools, infos, secret), factory)
+                _log_autoscale(config)
+            keeper = Keeper(config, secret, pools, infos, (model_dir, served), scaling)
             try:
                 asyncio.run(keeper.keep(ready))
             except RuntimeError as error:  # a router that could not start (its log says why)
@@ -381,11 +447,10 @@ def router_process() -> int:
     """One router of several (`router.replicas`, pdserve/routers.py): read its task on stdin,
     join the run's Ray, find the nodes by name, serve until SIGTERM."""
     from pdserve.routers import die_with
-    from pdserve_core.engine.types import NodeInfo
 
     to_keeper = os.dup(1)  # the keeper reads one line here: where this router serves
     os.dup2(2, 1)  # anything else printed goes to the log
-    task: dict[str, Any] = json.loads(sys.stdin.read())
+    task: dict[str, Any] = json.loads(sys.stdin.readline())  # then its word, line by line
     index = task["index"]
     logging.basicConfig(level=logging.INFO, format=f"router {index}: {LOG_FORMAT}")
     die_with(task["keeper"])
@@ -396,10 +461,7 @@ def router_process() -> int:
             namespace=task["namespace"],
             logging_level=logging.WARNING,
         )
-    infos = {
-        pool: [NodeInfo(**{**info, "kv_ports": tuple(info["kv_ports"])}) for info in described]
-        for pool, described in task["nodes"].items()
-    }
+    infos = {pool: [node_info(info) for info in group] for pool, group in task["nodes"].items()}
     pools = {pool: [ray.get_actor(info.name) for info in group] for pool, group in infos.items()}
 
     def on_ready(host: str, port: int, grpc_port: int) -> None:
@@ -416,6 +478,7 @@ def router_process() -> int:
             (Path(task["model_dir"]), task["served"]),
             on_ready,
             node_series=index == 0,
+            keeper=sys.stdin,
         )
     finally:
         ray.shutdown()

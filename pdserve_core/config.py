@@ -303,7 +303,8 @@ class RouterConfig(_Strict):
     gRPC on `grpc_port` + i (with port 0, free ports each); put a load balancer in front. Each
     relays its own requests' tokens on a core of its own, and a router that dies ends only its
     own streams (the nodes stop them) and is started again. With more than one, `pdserve serve`'s
-    own process keeps the nodes and runs no router (docs/deployment.md, "Several routers")."""
+    own process keeps the nodes, runs no router, and decides `pools.autoscale` for all of them
+    (docs/deployment.md, "Several routers")."""
     api_key: str | None = Field(default_factory=lambda: os.environ.get("PDSERVE_API_KEY") or None)
     """If set, clients must send `Authorization: Bearer <key>` (HTTP) or the same gRPC metadata,
     for /metrics and the detailed /health too. Default: $PDSERVE_API_KEY (keep keys out of
@@ -544,11 +545,6 @@ class PDServeConfig(_Strict):
         scale = self.pools.autoscale
         routers = self.router.replicas
         if routers > 1:
-            if scale.enabled:
-                raise ValueError(
-                    "pools.autoscale runs in one router: it needs router.replicas 1 "
-                    f"(not {routers})"
-                )
             ports = {
                 name: range(port, port + routers)
                 for name, port in (

@@ -27,7 +27,7 @@ The runtime classes take these values and keep no defaults of their own: the con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdserve_core.config import PDServeConfig
 from router.decides.autoscale import Decision, NodeFactory, PoolScaler
@@ -88,13 +88,14 @@ def dispatcher(
     )
 
 
-def memberships(config: PDServeConfig, dispatcher: Dispatcher) -> list[Membership]:
-    """The health checks of each of the dispatcher's pools (started and stopped by the caller)."""
+def memberships(
+    config: PDServeConfig, pools: Iterable[Pool], prefix_aware: bool | None = None
+) -> list[Membership]:
+    """The health checks of each pool (started and stopped by the caller); `prefix_aware`: read
+    each node's block log with them (default `router.prefix_aware`)."""
     router = config.router
-    return [
-        Membership(pool, stall_s=router.engine_stall_s, prefix_aware=router.prefix_aware)
-        for pool in dispatcher.pools.values()
-    ]
+    aware = router.prefix_aware if prefix_aware is None else prefix_aware
+    return [Membership(pool, stall_s=router.engine_stall_s, prefix_aware=aware) for pool in pools]
 
 
 def retry_policy(config: PDServeConfig) -> RetryPolicy:
@@ -115,14 +116,19 @@ def scaler(
 ) -> PoolScaler | None:
     """The autoscaler over the prefill and decode pools (None unless `pools.autoscale.enabled`
     and the router is disaggregated)."""
-    policy = config.pools.autoscale
-    if not policy.enabled or dispatcher.mode != "disaggregated":
+    if not config.pools.autoscale.enabled or dispatcher.mode != "disaggregated":
         return None
-    return PoolScaler(
-        dispatcher.prefill,
-        dispatcher.decode,
-        policy,
-        config.router.tpot_target_s,
-        on_decision,
-        factory,
-    )
+    return pool_scaler(config, dispatcher.prefill, dispatcher.decode, on_decision, factory)
+
+
+def pool_scaler(
+    config: PDServeConfig,
+    prefill: Pool,
+    decode: Pool,
+    on_decision: Callable[[Decision], None] | None = None,
+    factory: NodeFactory | None = None,
+) -> PoolScaler:
+    """The autoscaler over two pools: a router's, or the keeper's when several routers follow
+    one decision (pdserve/routers.py)."""
+    policy = config.pools.autoscale
+    return PoolScaler(prefill, decode, policy, config.router.tpot_target_s, on_decision, factory)

@@ -328,7 +328,7 @@ class Simulator:
             role: [e.node for e in self.engines if e.node.name.startswith(role)] for role in roles
         }
         self.dispatcher = build.dispatcher(topology.config, members, self)
-        watches = build.memberships(topology.config, self.dispatcher)
+        watches = build.memberships(topology.config, self.dispatcher.pools.values())
         for watch in watches:
             watch.start()
         scaler = build.scaler(topology.config, self.dispatcher, self._moved)

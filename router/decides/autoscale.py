@@ -290,13 +290,27 @@ class PoolScaler:
 
     async def _remove(self, node: Any) -> None:
         deadline = clock.now() + DRAIN_TIMEOUT_S
-        while node.outstanding and clock.now() < deadline:
+        while True:  # a poll's pause first: routers that follow this one hear of it meanwhile
             await asyncio.sleep(0.5)
+            if clock.now() >= deadline or not await self._busy(node):
+                break
         try:
             await self.factory.remove(node)
             logger.info("autoscale: %s drained and stopped", node.name)
         except Exception as error:
             logger.error("autoscale: stopping %s failed: %r", node.name, error)
+
+    @staticmethod
+    async def _busy(node: Any) -> bool:
+        """Whether requests are still on a node that left its pool: this process's own, or any
+        router's as the node reports them (it is no longer health-checked: asked here)."""
+        if node.outstanding:
+            return True
+        try:
+            stats = await node.client.stats()
+        except Exception:  # it cannot say (gone, or going): nothing to wait for
+            return False
+        return stats.running + stats.waiting > 0
 
     async def _run(self) -> None:
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -140,13 +141,19 @@ class RouterMetrics:
             r.register(PoolCollector(pools, window_s, tpot_target_s))
 
     def watch_autoscale(self, scaler: Any) -> None:
-        """Count every autoscale check; the outcomes exist from zero."""
+        """Count every check of this router's autoscaler."""
+        count = self.count_autoscale()
+        scaler.on_decision = lambda d: count(d.action, d.reason)
+
+    def count_autoscale(self) -> Callable[[str, str], None]:
+        """Make the autoscale series (each outcome exists from zero); returns what counts one
+        check, `count(action, reason)` (the keeper's checks, where several routers follow it)."""
         from router.decides.autoscale import OUTCOMES, REASONS
 
         for reason in REASONS:
             for action in OUTCOMES.get(reason, ("hold",)):
                 self.autoscale.labels(action=action, reason=reason)
-        scaler.on_decision = lambda d: self.autoscale.labels(action=d.action, reason=d.reason).inc()
+        return lambda action, reason: self.autoscale.labels(action=action, reason=reason).inc()
 
     def watch(self, dispatcher: Any) -> None:
         """Observe the dispatcher's routes and hand-overs; each placement reason of its mode

@@ -21,11 +21,13 @@ MOVE_DEADLINE_S = 180
 PROMPT_TOKENS = 1200
 
 
-def serve_autoscaled(work, hosts: dict[str, int], replicas: dict[str, int], autoscale: str):
+def serve_autoscaled(
+    work, hosts: dict[str, int], replicas: dict[str, int], autoscale: str, routers: int = 1
+):
     """A two-host Ray cluster (one advertising `prefill_pool`, one `decode_pool`, as many of each
-    as `hosts` says) and `pdserve serve` joined to it with `replicas` kv_both nodes per pool (half
-    a CPU each), remote placement and `pools.autoscale` {enabled, `autoscale`}; yields the
-    server."""
+    as `hosts` says) and `pdserve serve --routers <routers>` joined to it with `replicas` kv_both
+    nodes per pool (half a CPU each), remote placement and `pools.autoscale` {enabled,
+    `autoscale`}; yields the server."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -45,7 +47,9 @@ def serve_autoscaled(work, hosts: dict[str, int], replicas: dict[str, int], auto
         "router: {placement: {mode: remote}}\n"
         f"pools:\n{pools}  autoscale: {{enabled: true, interval_s: 1, {autoscale}}}\n"
     )
-    server = start_server(work, "--config", str(config), "--address", cluster.address)
+    server = start_server(
+        work, "--config", str(config), "--address", cluster.address, "--routers", str(routers)
+    )
     try:
         yield server
     finally:
@@ -83,15 +87,17 @@ def _ask(server, rng: random.Random, max_tokens: int = 2) -> dict:
 
 
 def load_until(server, done, deadline_s: float) -> tuple[list[dict], list[str]]:
-    """Four clients send long prompts back to back until `done()` or `deadline_s`; returns
-    (answers, failures)."""
+    """Four clients send long prompts back to back until `done()` or `deadline_s`; `server`: a
+    server, or a list of them (one per router) the clients take in turn. Returns (answers,
+    failures)."""
+    servers = server if isinstance(server, list) else [server]
     stop, answers, failures = threading.Event(), [], []
 
     def load(seed: int) -> None:
         rng = random.Random(seed)
         while not stop.is_set():
             try:
-                answers.append(_ask(server, rng))
+                answers.append(_ask(servers[seed % len(servers)], rng))
             except Exception as error:  # noqa: BLE001 - returned, asserted by the caller
                 failures.append(repr(error))
 

@@ -1,21 +1,26 @@
-"""Replicas that follow the load, on a multi-node Ray cluster simulated on this machine: 1P1D of
-`kv_both` nodes with `pools.autoscale` adding and removing nodes. Long prompts press both pools,
-so the router starts a second prefill node where the cluster has room (the prefill host), which
-then takes prefill legs; when the load stops, the idle cluster gives the node back: it leaves
-its pool at once and is stopped once drained. Requests complete throughout."""
+"""Replicas that follow the load, decided once for two routers, on a multi-node Ray cluster
+simulated on this machine: 1P1D of `kv_both` nodes with `pools.autoscale` adding and removing
+nodes, and `--routers 2`. Long prompts through both routers press both pools, so the keeper
+starts a second prefill node where the cluster has room (the prefill host), and both routers,
+told the roster, send it prefill legs; when the load stops, the idle cluster gives a node back:
+it leaves both routers' pools at once and is stopped once drained. Each check is decided and
+counted once, whatever the number of routers. Requests complete throughout."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import time
 
+import httpx
 import pytest
 
 from tests.e2e.test_autoscale import _ask, _metric, _pools, load_until, serve_autoscaled
 
 ADD_DEADLINE_S = 240
 REMOVE_DEADLINE_S = 90
+INTERVAL_S = 1  # pools.autoscale.interval_s, as serve_autoscaled sets it
 
 
 @pytest.fixture(scope="module")
@@ -26,36 +31,64 @@ def scaling(tmp_path_factory):
         replicas={"prefill": 1, "decode": 1},
         autoscale="cooldown_s: 2, min_pressure: 0.3, add_above: 0.05, remove_below: 0.02, "
         "remove_after_s: 8, max_prefill: 2",
+        routers=2,
     )
 
 
+def _decisions(server) -> float:
+    """Every autoscale check this router has counted (any action, any reason)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    lines = [x for x in text.splitlines() if x.startswith("pdserve_autoscale_decisions_total{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+
 def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling):
-    server = scaling
-    assert _pools(server) == {"prefill": ["pdserve-prefill-0"], "decode": ["pdserve-decode-0"]}
+    routers = [dataclasses.replace(scaling, url=r["http"]) for r in scaling.routers]
+    assert len(routers) == 2
+    for server in routers:
+        assert _pools(server) == {"prefill": ["pdserve-prefill-0"], "decode": ["pdserve-decode-0"]}
     added = r'pdserve_autoscale_decisions_total\{action="add_prefill",reason="added"\}'
     routed = r'pdserve_routing_decisions_total\{node="pdserve-prefill-1",pool="prefill"\}'
-    # until the new node has started, joined and taken prefill legs
-    answers, failures = load_until(server, lambda: _metric(server, routed) >= 2, ADD_DEADLINE_S)
-    assert _metric(server, added) >= 1
-    assert _metric(server, routed) >= 2, _pools(server)
-    log = server.log.read_text()
-    assert "autoscale: starting a prefill node" in log
+    checks, began = _decisions(routers[0]), time.monotonic()
+    # until the new node has started, joined and taken prefill legs from both routers
+
+    def both_use_it() -> bool:
+        return all(_metric(server, routed) >= 1 for server in routers)
+
+    answers, failures = load_until(routers, both_use_it, ADD_DEADLINE_S)
+    assert both_use_it(), [_pools(server) for server in routers]
+    assert _metric(routers[0], added) >= 1
+    # one decision per check (a 1 s interval), counted by router 0 alone
+    checked = _decisions(routers[0]) - checks
+    assert 0 < checked <= (time.monotonic() - began) / INTERVAL_S + 2, checked
+    assert _decisions(routers[1]) == 0
+    log = scaling.log.read_text()
+    assert log.count("autoscale: starting a prefill node") == 1
     assert "autoscale: pdserve-prefill-1 joined the prefill pool" in log
+    for i in (0, 1):
+        said = f"router {i}: .* autoscale, as the keeper decided: pdserve-prefill-1 joined the"
+        assert re.search(said, log), f"router {i} never heard of the new node"
     assert not failures, failures[:3]
     assert answers and all(a["usage"]["completion_tokens"] == 2 for a in answers)
 
     # idle now: the cluster gives a node back. Which one depends on the tail of the load: the
     # extra prefill node goes, or (the decode pool still busy when prefill went quiet) it first
-    # moves to the decode pool and the lighter decode node goes; either way back to two nodes.
+    # moves to the decode pool and the lighter decode node goes; either way back to two nodes,
+    # in both routers' pools.
     deadline = time.monotonic() + REMOVE_DEADLINE_S
-    while time.monotonic() < deadline and sum(map(len, _pools(server).values())) > 2:
+    while time.monotonic() < deadline and any(
+        sum(map(len, _pools(server).values())) > 2 for server in routers
+    ):
         time.sleep(0.5)
-    pools = _pools(server)
-    assert [len(pools["prefill"]), len(pools["decode"])] == [1, 1], pools
+    pools = [_pools(server) for server in routers]
+    assert pools[0] == pools[1], pools
+    assert [len(pools[0]["prefill"]), len(pools[0]["decode"])] == [1, 1], pools
     removed = r'pdserve_autoscale_decisions_total\{action="remove_%s",reason="removed"\}'
-    assert _metric(server, removed % "prefill") + _metric(server, removed % "decode") >= 1
-    while time.monotonic() < deadline and "drained and stopped" not in server.log.read_text():
+    gone = _metric(routers[0], removed % "prefill") + _metric(routers[0], removed % "decode")
+    assert gone >= 1
+    while time.monotonic() < deadline and "drained and stopped" not in scaling.log.read_text():
         time.sleep(0.5)
-    assert re.search(r"autoscale: pdserve-\w+-\d drained and stopped", server.log.read_text())
-    answer = _ask(server, random.Random(7), max_tokens=4)  # the cluster still serves
-    assert answer["usage"]["completion_tokens"] == 4
+    assert re.search(r"autoscale: pdserve-\w+-\d drained and stopped", scaling.log.read_text())
+    for server in routers:  # the cluster still serves, through either router
+        answer = _ask(server, random.Random(7), max_tokens=4)
+        assert answer["usage"]["completion_tokens"] == 4

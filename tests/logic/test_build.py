@@ -129,7 +129,7 @@ def test_the_simulated_router_and_the_served_router_get_the_same_settings():
         "fallback": False,
         "placement": ("threshold", 333, 96),
     }
-    assert [(w.pool.name, w.stall_s) for w in build.memberships(config, served)] == [
+    assert [(w.pool.name, w.stall_s) for w in build.memberships(config, served.pools.values())] == [
         ("prefill", 42.0),
         ("decode", 42.0),
     ]

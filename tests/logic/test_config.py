@@ -60,11 +60,6 @@ def test_every_example_config_under_deploy_is_valid():
         ({"pools": {"autoscale": {"min_decode": 0}}}, "pools.autoscale.min_decode", "1"),
         ({"router": {"replicas": 0}}, "router.replicas", "greater than or equal to 1"),
         (
-            {"router": {"replicas": 2}, "pools": {"autoscale": {"enabled": True}}},
-            "(top level)",
-            "pools.autoscale runs in one router",
-        ),
-        (
             {"router": {"replicas": 4, "http_port": 8000, "grpc_port": 8002}},
             "(top level)",
             "the HTTP ports 8000-8003 and the gRPC ports 8002-8005 overlap",
@@ -125,9 +120,12 @@ def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path, capsys):
 def test_cli_routers_flag_is_router_replicas(capsys):
     from pdserve.cli import main
 
-    code = main(["serve", "--routers", "2", "--set", "pools.autoscale.enabled=true"])
+    ports = ["--set", "router.http_port=8000", "--set", "router.grpc_port=8001"]
+    code = main(["serve", "--routers", "2", *ports])
     assert code == 2
-    assert "pools.autoscale runs in one router" in capsys.readouterr().err
+    assert "the HTTP ports 8000-8001 and the gRPC ports 8001-8002 overlap" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_api_key_comes_from_the_environment_and_a_public_bind_needs_one(monkeypatch, capsys):

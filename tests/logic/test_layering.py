@@ -111,7 +111,7 @@ ALLOWED = {
         "pdserve.flex",
         "router",
     },
-    "pdserve.routers": {"pdserve_core.config"},
+    "pdserve.routers": {"pdserve_core.config", "router"},
     "pdserve.serve": {
         "pdserve",
         "pdserve.nodes",
