@@ -18,10 +18,11 @@ request. On a 2-core host the client and the nodes share the cores with the rout
 scaling measured there is a floor.
 
 Beside them (`--vllm`, on by default), what a user would run instead: vLLM's own OpenAI server
-(its app and serving layer, built as `vllm serve` builds them) over an engine client that costs
-nothing — it checks each request with vLLM's input processor, as vLLM's engine client does, and
-then answers with the same fake steps in its own process (no engine core, no detokenizer), pinned
-to one core. The same phases, the same client. Writes
+(its app and serving layer, built as `vllm serve` builds them, over vLLM's own `AsyncLLM`: input
+processing, output processor, detokenizer, stat loggers) whose engine core costs nothing — the
+same fake steps answered in the server's process, so vLLM's ZMQ hop to its engine core process
+is the one part of its front end not paid — pinned to one core. The same phases, the same client.
+Writes
 results/bench/router-scale/<cpu>-<cores>c.json:
     python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8] [--no-vllm]
 """
@@ -39,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -51,6 +53,7 @@ from pdserve_core.engine.types import NodeInfo  # noqa: E402
 from tests.helpers.engine_outputs import step_output  # noqa: E402
 
 GPU_STEP_S = 0.025
+READY = "null vLLM serves on port "
 TOKEN = b"~"
 """Each fake token's text: nothing else in a response has it, so counting it counts tokens, however
 many the router put in one event."""
@@ -117,63 +120,97 @@ class FakeEngineActor(EngineActor):
         )
 
 
-def null_vllm_client(step_s: float):
-    """vLLM's `EngineClient` over `FakeEngine`: the checks vLLM's own client makes (its input
-    processor), then real `RequestOutput`s from the fake steps (one per step in DELTA mode, as
-    the serving layer asks for streams; the whole output at the end otherwise)."""
-    from vllm.outputs import CompletionOutput, RequestOutput
-    from vllm.sampling_params import RequestOutputKind
+class NullCore:
+    """vLLM's engine core as AsyncLLM reaches it (its `EngineCoreClient`), answered in the API
+    server's own process without a model: each step (`step_s`; 0: as fast as the output
+    handler asks) every running request gets one token, `token_id`, until its `max_tokens`."""
 
-    from router.faces.vllm_face import SUPPORTED_TASKS, PoolsEngineClient
+    engine_ranks_managed = [0]
+    resources = SimpleNamespace(engine_dead=False)
 
-    class NullEngineClient(PoolsEngineClient):
-        def __init__(self, vllm_config) -> None:
-            super().__init__(None, vllm_config)
-            self.engine = FakeEngine(step_s)
+    def __init__(self, step_s: float, token_id: int) -> None:
+        self.step_s, self.token_id = step_s, token_id
+        self.running: dict[str, int] = {}
+        """Request id -> tokens still to give."""
+        self.woken = asyncio.Event()
 
-        async def generate(self, prompt, sampling_params, request_id, **kwargs):
-            checks = self.input_processor
-            checks.process_inputs(request_id, prompt, sampling_params, SUPPORTED_TASKS)
-            delta = sampling_params.output_kind == RequestOutputKind.DELTA
-            ids, token_ids, text = list(prompt["prompt_token_ids"]), [], ""
-            async for step in self.engine.generate(prompt, sampling_params, request_id):
-                new = step.outputs[0]
-                token_ids = new.token_ids if delta else [*token_ids, *new.token_ids]
-                text = new.text if delta else text + new.text
-                if delta or step.finished:
-                    out = CompletionOutput(
-                        index=0,
-                        text=text,
-                        token_ids=list(token_ids),
-                        cumulative_logprob=None,
-                        logprobs=None,
-                        finish_reason=new.finish_reason,
-                    )
-                    yield RequestOutput(
-                        request_id, None, ids, None, [out], step.finished, num_cached_tokens=0
-                    )
+    async def get_supported_tasks_async(self) -> tuple[str, ...]:
+        return ("generate",)
 
-    return NullEngineClient
+    async def add_request_async(self, request) -> None:
+        self.running[request.request_id] = request.sampling_params.max_tokens
+        self.woken.set()
+
+    async def abort_requests_async(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
+
+    async def get_output_async(self):
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+        while not self.running:
+            self.woken.clear()
+            await self.woken.wait()
+        await asyncio.sleep(self.step_s)
+        outputs = []
+        for request_id, left in list(self.running.items()):
+            done = left == 1
+            finish = FinishReason.LENGTH if done else None
+            outputs.append(EngineCoreOutput(request_id, [self.token_id], finish_reason=finish))
+            if done:
+                del self.running[request_id]
+            else:
+                self.running[request_id] = left - 1
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    def dp_engines_running(self) -> bool:
+        return False
+
+    def get_kv_event_sources(self) -> list:
+        return []
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
 
 
 def serve_null_vllm(model_dir: str, step_s: float) -> None:
-    """`--serve-null-vllm`: vLLM's OpenAI app over `null_vllm_client` on a free loopback port;
-    prints the port once it serves."""
+    """`--serve-null-vllm`: vLLM's OpenAI app (built as `vllm serve` builds it) over vLLM's own
+    `AsyncLLM` — its input processing, output processor and detokenizer, request queues and stat
+    loggers — whose engine core is `NullCore`, on a free loopback port; prints `READY` and the
+    port once it serves."""
     import socket
 
     import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.tokenizers import get_tokenizer
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine import core_client
+    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from router.faces.vllm_face import build_face, vllm_args
+    from router.faces.vllm_face import vllm_args
+
+    args = vllm_args(model_dir, "m")
 
     async def main() -> None:
-        app = await build_face(null_vllm_client(step_s), vllm_args(model_dir, "m"))
+        config = AsyncEngineArgs.from_cli_args(args).create_engine_config(
+            UsageContext.OPENAI_API_SERVER
+        )
+        [token_id] = get_tokenizer(model_dir).encode(TOKEN.decode(), add_special_tokens=False)
+        core = NullCore(step_s, token_id)
+        core_client.EngineCoreClient.make_async_mp_client = staticmethod(lambda *a, **k: core)
+        engine = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.OPENAI_API_SERVER)
+        tasks = await engine.get_supported_tasks()
+        app = build_app(args, tasks, config.model_config)
+        await init_app_state(engine, app.state, args, tasks)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.05)
-        print(sock.getsockname()[1], flush=True)
+        print(f"{READY}{sock.getsockname()[1]}", flush=True)
         await task
 
     asyncio.run(main())
@@ -292,11 +329,16 @@ def with_null_vllm(step_s: float, plan: dict, seconds: float) -> list[dict]:
     command = [sys.executable, __file__, "--serve-null-vllm", str(step_s)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
-        port = int(server.stdout.readline())
+        line = ""
+        while not line.startswith(READY):  # vLLM's logs may come first
+            line = server.stdout.readline()
+            if not line:
+                raise RuntimeError(f"vLLM's server exited with {server.wait()}")
+        port = int(line.removeprefix(READY))
         psutil.Process(server.pid).cpu_affinity([0])
         points = []
         for phase, (body, clients, gaps) in plan.items():
-            point = {"server": "vllm-null-engine", "phase": phase, "clients": clients}
+            point = {"server": "vllm-null-core", "phase": phase, "clients": clients}
             point |= asyncio.run(
                 measure([("127.0.0.1", port)], [server.pid], body, clients, seconds, gaps)
             )
