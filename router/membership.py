@@ -92,6 +92,8 @@ class Membership:
                 self.pool.hearing.heard(node)
                 node.stats = await node.client.stats()
                 node.reported = True
+                held = node.stats.running + node.stats.waiting
+                node.elsewhere = max(0, held - node.outstanding)
                 if self.prefix_aware:  # what any router's requests left there
                     node.blocks_seen, logged = await node.client.prefix_blocks(node.blocks_seen)
                     for hashes in logged:

@@ -26,11 +26,12 @@ def prefill_load(node: Node) -> float:
 
 
 def decode_load(node: Node) -> float:
-    """Sequences the router has on a decode node, with KV cache pressure as the tie-breaker. The
-    router's own count is exact and current; the engine's reported `running` is the same
-    sequences as of its last health check (up to a second old: adding it counted each sequence
-    twice, and ones that had ended)."""
-    return node.outstanding + node.stats.kv_cache_usage
+    """Sequences on a decode node, with KV cache pressure as the tie-breaker: the router's own,
+    exact and current, plus the others its last health check found there (`elsewhere`: another
+    router's, with several). Not the engine's reported count itself: that is this router's
+    sequences again, up to a second old (adding it counted each twice, and ones that had
+    ended)."""
+    return node.outstanding + node.elsewhere + node.stats.kv_cache_usage
 
 
 def colocated_load(node: Node) -> float:

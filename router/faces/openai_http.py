@@ -199,6 +199,7 @@ def _node_view(node) -> dict:
         "ray_node_id": node.info.ray_node_id if node.info else None,
         "requests_total": stats.requests_started_total,
         "outstanding": node.outstanding,
+        "elsewhere": node.elsewhere,
         "prefilling_tokens": node.prefilling_tokens,
         "running": stats.running,
         "waiting": stats.waiting,

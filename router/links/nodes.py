@@ -90,6 +90,10 @@ class Node:
     healthy: bool = True
     outstanding: int = 0
     """Requests (or request legs) the router has open on the node."""
+    elsewhere: int = 0
+    """Sequences on the node that are not this router's, as its last health check found them:
+    the engine's running and waiting less the requests this router had open there then (other
+    routers', with several; at least 0)."""
     outstanding_prompt_tokens: int = 0
     """Prompt tokens of those requests."""
     prefilling_tokens: int = 0

@@ -5,8 +5,9 @@ deploy/config/cluster-cpu.yaml, and the client on this machine. Every request's 
 prefill host's link to a decode host's.
 
 The routers share the nodes: a conversation whose turns alternate between them goes back to the
-decode host that holds it, as through one router, and a router killed mid-stream costs only its
-own stream, whose request the nodes end within seconds.
+decode host that holds it, as through one router; a router counts the other's streams from the
+engines' reports and puts its own on the other decode host; and a router killed mid-stream costs
+only its own stream, whose request the nodes end within seconds.
 
 Then the links fail: a decode host's cable is pulled mid-stream (its streams continue on the
 other decode host, the pool follows, and the host rejoins when its cable is back), the prefill
@@ -170,10 +171,14 @@ def decode_legs(cluster, router: int) -> dict[str, float]:
     }
 
 
+def decode_nodes(cluster, router: int) -> list[dict]:
+    """The decode nodes as `router`'s /health describes them."""
+    return at_router(cluster, router, "/health").json()["pools"]["decode"]["nodes"]
+
+
 def blocks_known(cluster, router: int) -> int:
     """The prompt blocks `router` takes the decode nodes to hold."""
-    decode = at_router(cluster, router, "/health").json()["pools"]["decode"]["nodes"]
-    return sum(node["prefix_blocks_known"] for node in decode)
+    return sum(node["prefix_blocks_known"] for node in decode_nodes(cluster, router))
 
 
 def converse(cluster, opening: str, routers: list[int]) -> list[tuple[int, str]]:
@@ -237,9 +242,15 @@ def test_a_router_killed_mid_stream_costs_only_its_own_stream(cluster):
         threading.Thread(target=stream, args=(cluster, LONG), kwargs={"into": kept}),
         threading.Thread(target=cut_short),
     ]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: len(kept.arrivals) >= 3 and len(cut.arrivals) >= 3, 120, "both flowing")
+    threads[0].start()
+    wait_for(lambda: len(kept.arrivals) >= 3, 120, "router 0's stream flowing")
+    # router 1 counts router 0's stream from the engines' reports, so it sends its own to the
+    # other decode host
+    wait_for(lambda: sum(n["elsewhere"] for n in decode_nodes(cluster, 1)) == 1, 10, "counted")
+    threads[1].start()
+    wait_for(lambda: len(cut.arrivals) >= 3, 120, "router 1's stream flowing")
+    hosts = [{n["name"] for n in decode_nodes(cluster, i) if n["outstanding"]} for i in (0, 1)]
+    assert len(hosts[0]) == len(hosts[1]) == 1 and hosts[0] != hosts[1], hosts
     wait_for(lambda: sum(n["running"] for n in nodes(cluster, "decode")) == 2, 10, "both seen")
     pid = cluster.server.routers[1]["pid"]
     os.kill(pid, signal.SIGKILL)

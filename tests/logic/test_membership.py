@@ -313,3 +313,28 @@ async def test_an_idle_engine_that_does_not_step_is_not_stuck():
         await checks.refresh(node)
         await asyncio.sleep(0.1)
     assert node.healthy and not fake.dropped
+
+
+async def test_a_health_check_counts_the_sequences_another_router_has_on_the_node():
+    """With several routers each counts its own requests; the engine's running and waiting
+    counts say what the others have there, and the decode pool's load weighs both."""
+    from pdserve_core.engine.types import NodeStats
+    from router.decides.policies import decode_load
+
+    fake = FakeNode("d0")
+    decode = pool("decode", fake)
+    checks = membership(decode)
+    node = decode.nodes[0]
+    node.outstanding = 2  # this router's two streams
+    fake.stats = lambda: _stats(NodeStats(running=4, waiting=1))  # and three of another's
+    await checks.refresh(node)
+    assert node.elsewhere == 3 and decode_load(node) == 5
+    node.outstanding = 1  # one of ours ended since: still three elsewhere until the next check
+    assert decode_load(node) == 4
+    fake.stats = lambda: _stats(NodeStats(running=0))  # a report older than our open request
+    await checks.refresh(node)
+    assert node.elsewhere == 0 and decode_load(node) == 1
+
+
+async def _stats(stats):
+    return stats
