@@ -110,15 +110,17 @@ def place_node(
     )
 
 
-def ray_node_client(config: PDServeConfig, actor: Any, name: str, secret: str):
-    """The router's client for one node, its token stream as the config says (proving the run's
-    cluster `secret`)."""
+def ray_node(config: PDServeConfig, actor: Any, info: Any, secret: str):
+    """The router's view of one started node (`info`: what it said at its start): reached through
+    Ray, its token stream as the config says (proving the run's cluster `secret`)."""
     from pdserve_core.engine.deltas import client_tls
+    from router.links.nodes import Node
     from router.links.ray_nodes import RayNodeClient
 
     kv = config.kv_transfer
     tls = client_tls(kv.tls_files(), kv.tls.check_hostname if kv.tls else True)
-    return RayNodeClient(actor, name, config.router.token_stream == "direct", tls, secret)
+    direct = config.router.token_stream == "direct"
+    return Node(info.name, RayNodeClient(actor, info.name, direct, tls, secret), info)
 
 
 def place_pools(config: PDServeConfig, model_dir: str, served: str, secret: str) -> dict:
@@ -186,8 +188,6 @@ class RayNodeFactory:
         return all(free.get(name, 0.0) >= amount for name, amount in self._needs(role).items())
 
     async def add(self, role: str):
-        from router.links.nodes import Node
-
         replica, index = self._lowest_free(self.replicas[role]), self._lowest_free(self.indexes)
         actor = place_node(
             self.config, str(self.model_dir), self.served, self.secret, "flex", role, replica, index
@@ -203,7 +203,7 @@ class RayNodeFactory:
             self._stop(name)
             raise
         logger.info("%s engine %s up in %.1f s (pid %s)", role, info.name, info.start_s, info.pid)
-        return Node(info.name, ray_node_client(self.config, actor, info.name, self.secret), info)
+        return ray_node(self.config, actor, info, self.secret)
 
     async def remove(self, node) -> None:
         """Shut the node's engine down (it has drained), then end its actor."""

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from pdserve import LOG_FORMAT
-from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools, ray_node_client
+from pdserve.nodes import ENGINE_START_TIMEOUT_S, RayNodeFactory, place_pools, ray_node
 from pdserve_core.config import DEFAULT_MODEL, PDServeConfig, engine_threads
 from pdserve_core.model_prep import prepare_default_model
 from pdserve_core.roofline.serving import default_chunk_size
@@ -120,11 +120,9 @@ def _init_ray(config: PDServeConfig) -> bool:
 
 def _members(config: PDServeConfig, pools: dict[str, list], infos: dict[str, list], secret: str):
     """The router's view of each placed actor: a node reached through Ray, by pool."""
-    from router.links.nodes import Node
-
     return {
         name: [
-            Node(info.name, ray_node_client(config, actor, info.name, secret), info)
+            ray_node(config, actor, info, secret)
             for actor, info in zip(actors, infos[name], strict=True)
         ]
         for name, actors in pools.items()
@@ -308,10 +306,7 @@ def serve_router(
 
 def _reach(config: PDServeConfig, info, secret: str):
     """A node this router has not met, by its name in the run's Ray namespace."""
-    from router.links.nodes import Node
-
-    client = ray_node_client(config, ray.get_actor(info.name), info.name, secret)
-    return Node(info.name, client, info)
+    return ray_node(config, ray.get_actor(info.name), info, secret)
 
 
 def node_info(described: dict[str, Any]):

@@ -105,7 +105,8 @@ def bring_up(
             return f"http://{head}:{http.rsplit(':', 1)[1]}"
 
         url = at_head(urls["http"])
-        each = [{**r, "http": at_head(r["http"])} for r in urls.get("routers", [])]
+        one = [{**urls, "pid": serve.pid}]  # the ready file lists routers only when several
+        each = [{**r, "http": at_head(r["http"])} for r in urls.get("routers", one)]
         headers = {"Authorization": f"Bearer {API_KEY}"}
         model = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         server = Server(url, serve, log, model, "", headers, routers=each)

@@ -72,8 +72,7 @@ def stream(
         "temperature": 0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    base = cluster.server.url if router == 0 else cluster.server.routers[router]["http"]
-    url = f"{base}/v1/completions"  # router 0's is the server's (the only one, with one)
+    url = f"{cluster.server.routers[router]['http']}/v1/completions"
     with httpx.stream("POST", url, json=body, headers=cluster.server.headers, timeout=180) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
