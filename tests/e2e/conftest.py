@@ -86,7 +86,7 @@ def start_server(
             env=env,
             # a group of its own (a signal to the tests' group does not reach it), in the tests'
             # session: a session of its own is a scheduler autogroup of its own on Linux, and
-            # on 2 cores that made 1P1D's requests 1.7x slower (docs/benchmarks.md, "A server's
+            # on 2 cores that made 1P1D's requests 1.6x slower (docs/benchmarks.md, "A server's
             # session")
             process_group=0,
         )
