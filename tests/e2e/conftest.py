@@ -15,6 +15,8 @@ import httpx
 import psutil
 import pytest
 
+from pdserve.bench.compare import launch
+
 START_DEADLINE_S = 300
 STOP_DEADLINE_S = 60
 
@@ -78,18 +80,8 @@ def start_server(
         "--ready-file",
         str(ready),
     ]
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [*command, *extra_args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            # a group of its own (a signal to the tests' group does not reach it), in the tests'
-            # session: a session of its own is a scheduler autogroup of its own on Linux, and
-            # on 2 cores that made 1P1D's requests 1.6x slower (docs/benchmarks.md, "A server's
-            # session")
-            process_group=0,
-        )
+    with log.open("w") as out:  # in the tests' session (docs/benchmarks.md, "A server's session")
+        process = launch([*command, *extra_args], out, env)
     try:
         urls = _wait_ready(process, ready, log)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
