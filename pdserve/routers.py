@@ -11,7 +11,8 @@ start), and keeps them:
   and serves nothing; it says "ready" once every router serves;
 - a router that exits is started again on the same ports, after a pause that grows while it keeps
   dying young (1 s to 30 s); its streams ended with its connections, and each node stops a
-  request whose router's token stream closed (`EngineActor.relay`), which frees its KV;
+  request whose router's token stream closed (the legs it opened are cancelled), which frees
+  its KV;
 - SIGINT / SIGTERM stops every router (each finishes gracefully, as one router does), then the
   nodes.
 

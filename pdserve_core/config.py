@@ -351,9 +351,10 @@ class RouterConfig(_Strict):
     """Continue a stream whose node failed mid-way on another node, from the tokens already
     sent (sampling without state only); off: such a stream ends with an explicit error."""
     token_stream: Literal["direct", "ray"] = "direct"
-    """How tokens reach the router: `direct` — each node streams its requests' deltas on one TCP
-    connection to the router, one frame per engine step (Ray opens each request and stays the
-    control plane); `ray` — one Ray streaming call per request, an object per delta."""
+    """How tokens reach the router: `direct` — the router opens each request's legs on one TCP
+    connection per node, and the node streams their deltas back on it, one frame per engine step
+    (Ray stays the control plane); `ray` — one Ray streaming call per request, an object per
+    delta."""
     prefill_fallback: bool = True
     """With no healthy prefill node, prefill on the decode node instead of failing."""
     node_silence_s: float = Field(3.0, gt=0)
@@ -414,8 +415,8 @@ class KVTransferConfig(_Strict):
     failure_policy: Literal["recompute", "fail"] = "recompute"
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = KV_DEFAULTS.host
-    """Address each prefill node's KV server and every node's token stream (the deltas the router
-    reads: router.token_stream) bind to. "0.0.0.0" on a multi-host cluster: decode nodes and the
+    """Address each prefill node's KV server and every node's token stream (the legs the router
+    opens and the deltas it reads: router.token_stream) bind to. "0.0.0.0" on a multi-host cluster: decode nodes and the
     router are then told the node host's Ray node address."""
     port: int = Field(KV_DEFAULTS.port, ge=0, le=65535)
     """First port of the KV servers (0: pick free ports)."""

@@ -1,20 +1,20 @@
 """A vLLM `AsyncLLM` hosted in a Ray actor: what every node of every pool is made of.
 
 Life of a request through an engine actor:
-1. The router sends a leg (pdserve_core/engine/legs.py) through `relay`, one Ray call per request or
-   leg, and the actor runs it by its type (`handler`): a `Whole` leg here (`generate`: colocated
-   nodes, and a decode node prefilling for itself); the roles add theirs — `Prefill`
-   (`PrefillNode.prefill`, prefill_node/node.py) and `Decode` (`DecodeNode.decode`,
-   decode_node/node.py). The prompt is already tokenized, so the engine never re-tokenizes or
-   re-applies a template. (With `router.token_stream: ray` the router calls `stream` itself, as
-   a Ray streaming call.)
+1. The router sends a leg (pdserve_core/engine/legs.py) on its token stream to the node
+   (pdserve_core/engine/deltas.py: an OPEN frame), and the actor runs it by its type (`handler`):
+   a `Whole` leg here (`generate`: colocated nodes, and a decode node prefilling for itself); the
+   roles add theirs — `Prefill` (`PrefillNode.prefill`, prefill_node/node.py) and `Decode`
+   (`DecodeNode.decode`, decode_node/node.py). The prompt is already tokenized, so the engine
+   never re-tokenizes or re-applies a template. (With `router.token_stream: ray` the router
+   calls `stream` itself, as a Ray streaming call.)
 2. vLLM runs it with `RequestOutputKind.DELTA`; the handler yields one `TokenDelta` per engine
    output (the new token ids, their text, and on the last one the finish reason), and `relay`
-   queues each on the router's token stream (pdserve_core/engine/deltas.py), which sends one
-   frame per event-loop turn for all of that router's requests here.
-3. If the router cancels the call (client gone, deadline), Ray cancels the task, vLLM's
-   `generate` sees `CancelledError` and aborts the request, which frees its KV blocks; a router
-   whose connection closed stops its requests the same way.
+   queues each on the router's token stream, which sends one frame per event-loop turn for all
+   of that router's requests here.
+3. If the router stops the stream (client gone, deadline: a CANCEL frame), the leg's task is
+   cancelled, vLLM's `generate` sees `CancelledError` and aborts the request, which frees its KV
+   blocks; a router whose connection closed has all of its requests here stopped the same way.
 
 The actor is placed by `create_engine_actor` with the pool's Ray resources and an environment
 that pins vLLM's CPU settings (thread count, binding, KV cache space) per node.
@@ -36,7 +36,8 @@ import ray
 from pdserve_core.config import EngineConfig, PoolConfig, cpu_preload_paths, engine_threads
 from pdserve_core.engine import dtype
 from pdserve_core.engine.blocks import BlockLog, block_hashes
-from pdserve_core.engine.deltas import END, DeltaServer, ending, server_tls
+from pdserve_core.engine.deltas import END, Channel, DeltaServer, ending, server_tls
+from pdserve_core.engine.frames import FrameError, leg_from
 from pdserve_core.engine.legs import Whole
 from pdserve_core.engine.stats import GpuSampler, StatsCollector, stat_logger_factory
 from pdserve_core.engine.text import ContinuedText
@@ -181,7 +182,7 @@ class EngineActor:
         self._blocks = BlockLog()
         """The blocks each finished request left in the engine, for every router to read."""
         self._block_size = 0
-        self._deltas = DeltaServer(name, stream_secret, on_close=self._router_left)
+        self._deltas = DeltaServer(name, stream_secret, on_close=self._router_left, run=self.relay)
         """The token stream: routers that prove `stream_secret` (the run's cluster secret)."""
         self._aside: set[asyncio.Task] = set()
         """Give-backs under way (kept: a task nobody holds may be collected)."""
@@ -306,23 +307,30 @@ class EngineActor:
             self._stream_context = server_tls(self._stream_tls)
         return await self._deltas.endpoint(host, _advertised_host(host), self._stream_context)
 
-    async def relay(self, key: bytes, tag: int, leg: Any) -> None:
-        """Run `leg` and send its deltas on the router's token stream `key` under `tag`, then
-        `END` or the exception that ended it. The router cancels this call to stop the request
-        (vLLM aborts it and frees its blocks)."""
-        run = self.handler(leg)
-        channel = self._deltas.channel(key)
+    def params_type(self) -> Any:
+        """What a leg's `params` decode into from the token stream: vLLM's `SamplingParams`."""
+        from vllm import SamplingParams
+
+        return SamplingParams
+
+    async def relay(self, channel: Channel, tag: int, payload: Any) -> None:
+        """Run the leg a router opened on its token stream `channel` under `tag`, and send its
+        deltas there, then `END` or the exception that ended it. The router stops it by
+        cancelling the stream (vLLM aborts the request and frees its blocks)."""
+        try:
+            leg = leg_from(payload, self.params_type())
+        except FrameError as error:  # the router's own fault: not the client's 400
+            channel.send(tag, RuntimeError(f"{self._name} could not read the leg: {error}"))
+            return
         handle = None
         try:
+            run = self.handler(leg)
             async with aclosing(run(leg)) as deltas:
                 async for delta in deltas:
                     handle = delta.handle or handle
                     channel.send(tag, delta)
                     if channel.congested:
                         await channel.drain()
-                    if channel.closed:  # the router is gone: nobody reads this request
-                        logger.info("%s: %s's router left; stopping it", self._name, leg.request_id)
-                        return
         except Exception as error:  # the request's end, told in order after its deltas
             channel.send(tag, ending(error, f"{leg.KIND} on {self._name}"))
             return

@@ -1,29 +1,36 @@
-"""The token path: a node's request outputs to the router over one TCP connection, not Ray.
+"""The token path: the router's legs to a node and their outputs back, over one TCP connection
+per router and node, not Ray.
 
-Ray carries each request's opening (`EngineActor.relay`, one call per request or leg) and stays
-the control plane: placement, health, restarts, cancellation. The tokens take a shorter road.
-Each engine actor listens where its KV server binds (`kv_transfer.host`); each router connects
-once, and the two prove the cluster secret to each other before anything else:
+Ray stays the control plane (placement, health, restarts, the node's other calls); a request's
+legs and their tokens take a shorter road. Each engine actor listens where its KV server binds
+(`kv_transfer.host`); each router connects once, and the two prove the cluster secret to each
+other before anything else:
 
     node   -> Challenge     (protocol version, random nonce)
     router -> AuthResponse  (its nonce, HMAC-SHA256(secret, router role | both nonces))
     node   -> AuthResult    (ok + its own HMAC under the node role: mutual proof; or why not)
-    router -> the channel's key (32 bytes, random), then nothing ever again
-    node   -> ACK, then frames
+    router -> the channel's key (32 bytes, random)
+    node   -> ACK; then frames both ways:
+    router -> OPEN (a stream tag and the leg to run) / CANCEL (a tag)
+    node   -> each stream's deltas, then its END or the exception that ended it
 
-(the messages and proofs are the KV plane's, pdserve_core/kv/wire.py, under roles of their own).
-With `kv_transfer.tls` the connection is mutual TLS first, inside the same deadline. A node
-registers a channel only for a router that proved the secret, and never lets a second connection
-take a key that is open. Every delta the node's requests produce is queued on that router's channel
-and sent on the next turn of the actor's event loop, so one engine step's outputs for all of the
-router's requests on the node leave as one frame — as vLLM's engine core hands its outputs over,
-one batch per step. Frames are data only (pdserve_core/engine/frames.py).
+(the messages and proofs are the KV plane's, pdserve_core/kv/wire.py, under roles of their own;
+the frames are data only, pdserve_core/engine/frames.py). With `kv_transfer.tls` the connection
+is mutual TLS first, inside the same deadline. A node registers a channel only for a router that
+proved the secret, and never lets a second connection take a key that is open. Each OPEN starts
+a task that runs the leg (`DeltaServer.run`, the engine actor's); every delta the node's
+requests produce is queued on that router's channel and sent on the next turn of the actor's
+event loop, so one engine step's outputs for all of the router's requests on the node leave as
+one frame — as vLLM's engine core hands its outputs over, one batch per step. A CANCEL, or the
+connection's end, cancels the task: vLLM aborts the request and frees its blocks.
 
 What a peer can spend here is bounded: `MAX_CONNECTIONS` connections at once, of them
 `MAX_UNPROVEN_PER_PEER` per address not yet past the handshake; `HELLO_S` to finish it (else the
 connection is closed: no descriptor outlives it; with TLS, asyncio bounds the TLS handshake by the
-same `HELLO_S` before the connection is counted); a few hundred bytes read before the proof; past
-the key nothing is read at all — a byte from the router ends the connection.
+same `HELLO_S` before the connection is counted); a few hundred bytes read before the proof. Past
+it, a frame of at most `MAX_FRAME` bytes and `MAX_STREAMS` streams open per router: a frame that
+does not decode, or an OPEN for a tag already open, ends the connection; a leg that does not
+decode, or one past the stream cap, fails only its own stream.
 
 Flow control: when a router reads slower than its requests produce, the connection's buffer
 fills and each request's relay waits for it to drain (vLLM keeps merging that request's new
@@ -40,11 +47,10 @@ import socket
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pdserve_core.engine.frames import END, carried, encode
-from pdserve_core.engine.types import EngineDown
+from pdserve_core.engine.frames import CANCEL, END, FrameError, carried, decode_orders, encode
 from pdserve_core.kv.wire import (
     MAX_AUTH_BYTES,
     NONCE_BYTES,
@@ -62,8 +68,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["END", "DeltaServer", "Channel", "ending"]
 
-PROTOCOL_VERSION = 1
-"""The token plane's own version (its frames' shape), told in the node's Challenge."""
+PROTOCOL_VERSION = 2
+"""The token plane's own version (its frames' shape), told in the node's Challenge. 2: the router
+opens its legs on the connection (1: over Ray, the connection carried only the node's frames)."""
 ROUTER_ROLE, NODE_ROLE = b"token-router", b"token-node"
 KEY_BYTES = 32
 """A channel's key: 16 random bytes, hex."""
@@ -80,7 +87,9 @@ HIGH_WATER = 4 << 20
 KEPT_HANDLES = 4096
 """KV handles a node remembers per router (the prefills whose decode legs may still come)."""
 MAX_FRAME = 256 << 20
-"""Largest frame a router accepts (a frame is one loop turn's deltas: far below this)."""
+"""Largest frame either end accepts (a frame is one loop turn's deltas, or legs: far below this)."""
+MAX_STREAMS = 16384
+"""Streams one router may have open on a node at once; an OPEN past it fails its own stream."""
 
 
 USER_TIMEOUT_MS = 10_000
@@ -146,6 +155,24 @@ class Channel:
         self.kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
         """KV handles of prefills this node ran for the router and keeps for its decode legs,
         the latest `KEPT_HANDLES` (given back if the router leaves: `DeltaServer.on_close`)."""
+        self.running: dict[int, asyncio.Task] = {}
+        """The router's streams running here, by tag."""
+
+    def start(self, tag: int, run: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(run)
+        self.running[tag] = task
+
+        def ended(_: asyncio.Task) -> None:
+            if self.running.get(tag) is task:
+                del self.running[tag]
+
+        task.add_done_callback(ended)
+
+    def stop(self, tag: int) -> None:
+        """The router left this stream: its leg is cancelled (an unknown tag ended already)."""
+        task = self.running.get(tag)
+        if task is not None:
+            task.cancel()
 
     def keep(self, handle: dict[str, Any]) -> None:
         """This router's prefill left its KV here under `handle`."""
@@ -188,10 +215,14 @@ class DeltaServer:
         name: str,
         secret: str | bytes | None = None,
         on_close: Callable[[Channel], None] | None = None,
+        run: Callable[[Channel, int, Any], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.name = name
         self.on_close = on_close
         """Called with each channel whose connection closed (its router left or was cut off)."""
+        self.run = run
+        """`run(channel, tag, payload)`: runs an OPEN's leg (`frames.leg_from(payload, ...)`) and
+        sends its deltas, then its end, on the channel under `tag` (None: every OPEN fails)."""
         self.channels: dict[bytes, Channel] = {}
         self._secret = secret_bytes(secret)
         self._server: asyncio.Server | None = None
@@ -217,12 +248,6 @@ class DeltaServer:
                 logger.info("%s streams tokens on %s:%d (as %s)", self.name, host, port, advertised)
         return advertised, self._server.sockets[0].getsockname()[1]
 
-    def channel(self, key: bytes) -> Channel:
-        channel = self.channels.get(key)
-        if channel is None or channel.closed:
-            raise EngineDown(f"{self.name} has no token stream open to this router")
-        return channel
-
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         address = str(peer[0]) if peer else "?"
@@ -241,9 +266,14 @@ class DeltaServer:
             channel = self._register(key, writer)
             writer.write(ACK)
             logger.info("%s: router %s opened a token stream", self.name, peer)
-            if await reader.read(1):  # the router sends nothing after its key
-                raise ProtocolError("the router sent data after its key")
-        except (ProtocolError, TimeoutError, asyncio.IncompleteReadError, OSError) as error:
+            await self._orders(reader, channel)
+        except (
+            ProtocolError,
+            FrameError,
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            OSError,
+        ) as error:
             # OSError: resets and ssl.SSLError alike
             if channel is None:
                 self._refuse(address, f"a failed handshake ({type(error).__name__}: {error})")
@@ -255,6 +285,8 @@ class DeltaServer:
                 writer.transport.abort()
             else:
                 channel.closed = True
+                for task in channel.running.values():  # nobody reads these any more
+                    task.cancel()
                 if self.channels.get(key) is channel:
                     del self.channels[key]
                 writer.close()
@@ -267,6 +299,28 @@ class DeltaServer:
                     channel.items_sent,
                     channel.frames_sent,
                 )
+
+    async def _orders(self, reader: asyncio.StreamReader, channel: Channel) -> None:
+        """The router's OPEN and CANCEL frames, until it closes the connection."""
+        while True:
+            head = await reader.read(4)
+            if not head:
+                return  # the router closed it
+            if len(head) < 4:
+                head += await reader.readexactly(4 - len(head))
+            size = int.from_bytes(head, "big")
+            if size > MAX_FRAME:
+                raise ProtocolError(f"a {size}-byte frame")
+            for tag, kind, payload in decode_orders(await reader.readexactly(size)):
+                if kind == CANCEL:
+                    channel.stop(tag)
+                elif tag in channel.running:
+                    raise ProtocolError(f"an OPEN for stream {tag}, which is open")
+                elif self.run is None or len(channel.running) >= MAX_STREAMS:
+                    why = "takes no legs" if self.run is None else f"has {MAX_STREAMS} open"
+                    channel.send(tag, RuntimeError(f"{self.name}'s token stream {why}"))
+                else:
+                    channel.start(tag, self.run(channel, tag, payload))
 
     def _admit(self, address: str) -> bool:
         if self._connections >= MAX_CONNECTIONS:
@@ -320,6 +374,8 @@ class DeltaServer:
             self._server = None
         for channel in self.channels.values():
             channel.closed = True
+            for task in channel.running.values():
+                task.cancel()
             channel.writer.close()
 
 

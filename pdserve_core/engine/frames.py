@@ -1,12 +1,18 @@
-"""The token plane's frames: data only, never code.
+"""The token plane's frames, both ways: data only, never code.
 
-A frame is a 4-byte big-endian length and a msgpack array of `[tag, kind, payload]` items: the
-router's tag for a stream, then
+A frame is a 4-byte big-endian length and a msgpack array of `[tag, kind, payload]` items, the
+tag naming one stream (the router picks it). Node to router:
 - `DELTA`: a `TokenDelta`'s fields in declaration order;
 - `ENDED`: the node's stream ran out (payload nil);
 - `FAILED`: the exception that ended it, as `[class name, [arguments]]` — one of `ERRORS` (the
   classes the router tells apart: a refusal is the client's 400, a dead engine a retry), any other
   as a `RuntimeError` naming it.
+Router to node (`encode_orders` / `decode_orders`):
+- `OPEN`: run a leg (pdserve_core/engine/legs.py) and stream its deltas under the tag; the payload
+  is `[leg kind, field, ...]` in the leg's declaration order, its `params` (vLLM's
+  `SamplingParams`, a msgspec struct) as msgspec msgpack bytes, decoded by the node into the type
+  it names (`leg_from`);
+- `CANCEL`: stop that stream's leg (payload nil).
 msgpack yields only numbers, strings, bytes, lists and maps: a frame that says anything else
 fails to decode, and nothing a peer sends is ever unpickled (docs/design.md, "Data, not code").
 """
@@ -17,12 +23,16 @@ from dataclasses import fields
 from typing import Any
 
 import msgpack
+import msgspec
 
+from pdserve_core.engine.legs import Decode, Leg, Prefill, Whole
 from pdserve_core.engine.types import EngineDown, KVLoadFailed, RequestRejected, TokenDelta
 
 END = None
 """The item that ends a stream: the node's generator ran out."""
 DELTA, ENDED, FAILED = 0, 1, 2
+OPEN, CANCEL = 0, 1
+LEGS: dict[str, type] = {cls.KIND: cls for cls in (Whole, Prefill, Decode)}
 DELTA_FIELDS = tuple(f.name for f in fields(TokenDelta))
 ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
@@ -118,3 +128,83 @@ def decode(data: bytes) -> list[tuple[int, Any]]:
         else:
             raise FrameError(f"an item of unknown kind {kind!r}")
     return out
+
+
+# -- router to node: the legs to run, and the streams to stop -------------------------------------
+
+
+def _is_tokens(value: Any) -> bool:
+    return isinstance(value, list) and all(type(token) is int for token in value)
+
+
+FIELD_CHECKS: dict[str, Any] = {
+    "str": lambda value: isinstance(value, str),
+    "int": lambda value: type(value) is int,
+    "bool": lambda value: isinstance(value, bool),
+    "list[int]": _is_tokens,
+    "dict[str, Any]": lambda value: (
+        isinstance(value, dict) and all(isinstance(key, str) for key in value)
+    ),
+}
+"""What each leg field's value must be on the wire, by the field's annotation (`params` aside)."""
+
+
+def leg_payload(leg: Leg) -> list[Any]:
+    """`[kind, field, ...]` of a leg, its `params` as msgspec msgpack bytes."""
+    values = [getattr(leg, f.name) for f in fields(leg)]
+    return [leg.KIND] + [
+        msgspec.msgpack.encode(value) if f.name == "params" else value
+        for f, value in zip(fields(leg), values, strict=True)
+    ]
+
+
+def leg_from(payload: Any, params_type: Any) -> Leg:
+    """The leg `leg_payload` told, its `params` decoded as `params_type` (vLLM's `SamplingParams`
+    on a node: typed fields only, `extra_args` plain data); `FrameError` for anything else."""
+    if not (isinstance(payload, list) and payload and payload[0] in LEGS):
+        raise FrameError("a leg that is not [kind, field, ...] of a known kind")
+    cls = LEGS[payload[0]]
+    declared = fields(cls)
+    if len(payload) != 1 + len(declared):
+        raise FrameError(f"a {cls.__name__} leg with {len(payload) - 1} fields")
+    values = {}
+    for f, value in zip(declared, payload[1:], strict=True):
+        if f.name == "params":
+            if not isinstance(value, bytes):
+                raise FrameError("a leg whose params are not bytes")
+            try:
+                value = msgspec.msgpack.decode(value, type=params_type)
+            except Exception as error:
+                # msgspec's DecodeError and ValidationError, and the params' own checks (vLLM's
+                # __post_init__ raises its own VLLMValidationError)
+                raise FrameError(f"a leg whose params do not decode: {error}") from None
+        elif not FIELD_CHECKS[str(f.type)](value):
+            raise FrameError(f"a {cls.__name__} leg whose {f.name} is not {f.type}")
+        values[f.name] = value
+    return cls(**values)
+
+
+def encode_orders(batch: list[tuple[int, int, Any]]) -> bytes:
+    """One frame of router-to-node (tag, `OPEN` | `CANCEL`, payload) items."""
+    data = msgpack.packb(batch, use_bin_type=True)
+    return len(data).to_bytes(4, "big") + data
+
+
+def decode_orders(data: bytes) -> list[tuple[int, int, Any]]:
+    """A router frame's (tag, kind, payload) items, the payloads not yet read (`leg_from`);
+    `FrameError` for anything else."""
+    try:
+        items = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as error:  # msgpack's own errors
+        raise FrameError(f"a frame that is not msgpack: {error!r}") from None
+    if not isinstance(items, list):
+        raise FrameError("a frame that is not a list of items")
+    for item in items:
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and type(item[0]) is int
+            and item[1] in (OPEN, CANCEL)
+        ):
+            raise FrameError("an item that is not [tag, OPEN | CANCEL, payload]")
+    return items

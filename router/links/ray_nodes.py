@@ -1,12 +1,14 @@
-"""`NodeClient` over Ray: a node is an engine actor; its streams come over the node's token
-stream (router/links/token_stream.py: a Ray call opens each, the deltas arrive on one TCP connection
-per node) or, with `router.token_stream: ray`, as Ray streaming calls.
+"""`NodeClient` over Ray: a node is an engine actor; its streams go over the node's token stream
+(router/links/token_stream.py: legs out and deltas back on one TCP connection per node) or, with
+`router.token_stream: ray`, as Ray streaming calls. Ray carries the node's other calls.
 
 Ray reports a dead or restarting actor as `ActorDiedError` / `ActorUnavailableError` (within
 milliseconds of the process dying); both become `NodeFailed`, and so does `EngineDown` (the
 actor lives but its engine died). Other exceptions the node's own code raised (`KVLoadFailed`,
 `RequestRejected`) arrive as themselves. A stream closed before the node's generator ended is
-cancelled with `ray.cancel`: vLLM sees `CancelledError` and aborts the request.
+cancelled (a CANCEL on the token stream, `ray.cancel` on a Ray call): vLLM sees `CancelledError`
+and aborts the request. A token stream that breaks asks Ray once whether the node died
+(`_died`): a death counts toward a request's poison limit, a lost link does not.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from router.links.token_stream import CONNECT_S, TokenStream
 logger = logging.getLogger(__name__)
 
 NODE_FAILURES = (ActorDiedError, ActorUnavailableError, RayActorError)
+DEATH_NOTICE_S = 2.0
+"""How long a broken token stream waits for Ray's word on the node (a dead actor is known to Ray
+within milliseconds; a node behind a cut link does not answer at all)."""
 
 
 class RayNodeClient(NodeClient):
@@ -58,11 +63,7 @@ class RayNodeClient(NodeClient):
             return
         try:
             tokens = await self._token_stream()
-
-            def call(key: bytes, tag: int) -> Any:
-                return self.handle.relay.remote(key, tag, leg)
-
-            async for delta in tokens.stream(call, ray.cancel):
+            async for delta in tokens.stream(leg):
                 yield delta
         except NODE_FAILURES as error:
             raise NodeFailed(type(error).__name__, died=isinstance(error, ActorDiedError)) from None
@@ -79,9 +80,20 @@ class RayNodeClient(NodeClient):
                 except TimeoutError:
                     raise NodeFailed(f"{self.name} did not say where its token stream is") from None
                 self._tokens = await TokenStream.connect(
-                    self.name, host, port, self.secret, self.tls
+                    self.name, host, port, self.secret, self.tls, self._died
                 )
             return self._tokens
+
+    async def _died(self) -> bool:
+        """Whether the node died, by Ray's word within `DEATH_NOTICE_S`: its actor dead, or alive
+        with no engine (restarted, or its engine found dead). No answer: a lost link."""
+        try:
+            async with asyncio.timeout(DEATH_NOTICE_S):
+                return not await self.handle.check_health.remote()
+        except ActorDiedError:
+            return True
+        except (TimeoutError, *NODE_FAILURES):
+            return False
 
     async def _ray_stream(self, leg: Leg) -> AsyncIterator[TokenDelta]:
         call = self.handle.stream.options(num_returns="streaming").remote(leg)

@@ -1,15 +1,17 @@
 """The router's end of a node's token stream (pdserve_core/engine/deltas.py): one TCP connection per
-node, its frames split into per-request queues.
+node, the legs it opens there going out, their deltas coming back split into per-stream queues.
 
 The connection is opened with the cluster secret (both sides prove it: `router_hello`), and its
 frames are data (pdserve_core/engine/frames.py): a frame that does not decode breaks the connection
 and ends its streams, as a lost link does.
 
-A stream opened here is a Ray call (`relay`) that carries the request to the node and a tag that
-names its queue; the deltas arrive on the connection, in order, ended by `END` or the exception
-the node's stream ended with. The Ray call's own end only matters when it fails — the actor died
-or could not start the stream — and then it ends the stream too. A connection that breaks ends
-every stream on it with `NodeFailed`; the next stream opens a new one.
+A stream opened here is an OPEN frame carrying the leg and a tag that names its queue; the deltas
+arrive on the connection, in order, ended by `END` or the exception the node's stream ended with.
+A stream the caller leaves before its end sends a CANCEL. The streams opened (or left) in one
+event-loop turn go out as one frame. A connection that breaks ends every stream on it with
+`NodeFailed`, told as a death when the node's probe says so (`probe`, asked once per connection:
+an actor that dies closes its connections before anyone asks), and the next stream opens a new
+connection.
 
 Each stream's queue is bounded (`MAX_BACKLOG` deltas): a client that stops reading while its
 request runs on leaves its deltas here, and past the bound the request is cancelled on the node
@@ -25,8 +27,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from pdserve_core.engine.deltas import MAX_FRAME, new_key, router_hello, secret_bytes, tune
-from pdserve_core.engine.frames import END, decode
+from pdserve_core.engine.deltas import (
+    HIGH_WATER,
+    MAX_FRAME,
+    new_key,
+    router_hello,
+    secret_bytes,
+    tune,
+)
+from pdserve_core.engine.frames import CANCEL, END, OPEN, decode, encode_orders, leg_payload
+from pdserve_core.engine.legs import Leg
 from pdserve_core.kv.wire import ProtocolError
 from router.errors import NodeFailed, SlowReader
 
@@ -36,11 +46,8 @@ CONNECT_S = 10.0
 """Connecting and hearing the node's acknowledgement, at most."""
 LOST = object()
 """Queued to every stream of a connection that broke."""
-DEATH_NOTICE_S = 2.0
-"""How long a stream whose connection broke waits for its Ray call's end (an actor's death is
-known to Ray within milliseconds; a link that failed leaves the call running)."""
-CALL_ENDED = object()
-"""Queued to a stream when its Ray call returned (or failed)."""
+MAX_UNSENT = 16 * HIGH_WATER
+"""Bytes of legs a node may leave unread on the connection before the router gives it up."""
 OVERFLOW = object()
 """Queued (alone) to a stream whose reader fell `MAX_BACKLOG` deltas behind."""
 MAX_BACKLOG = 4096
@@ -80,14 +87,24 @@ class TokenStream:
     """One connection to one node, shared by every stream the router has open there."""
 
     def __init__(
-        self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes
+        self,
+        name: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        key: bytes,
+        probe: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.name = name
         self.key = key
         self._writer = writer
         self._queues: dict[int, Inbox] = {}
         self._next_tag = 0
+        self._orders: list[tuple[int, int, Any]] = []
         self.broken: str | None = None
+        self.probe = probe
+        """`probe()`: whether the node died (True) or is there (False), asked once when the
+        connection breaks; None: a broken connection is a lost link."""
+        self._died: asyncio.Future | None = None
         self._reading = asyncio.get_running_loop().create_task(self._read(reader))
 
     @classmethod
@@ -98,6 +115,7 @@ class TokenStream:
         port: int,
         secret: str | bytes,
         tls: ssl.SSLContext | None = None,
+        probe: Callable[[], Awaitable[bool]] | None = None,
     ) -> TokenStream:
         """Connect, prove the cluster `secret` and check the node's proof, open a channel."""
         key = new_key()
@@ -114,7 +132,7 @@ class TokenStream:
                 f"cannot open the token stream to {name} at {host}:{port}: {error!r}"
             ) from None
         logger.info("token stream to %s open (%s:%d)", name, host, port)
-        return cls(name, reader, writer, key)
+        return cls(name, reader, writer, key, probe)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -130,28 +148,23 @@ class TokenStream:
             self.broken = "closed by the router"
             raise
         except Exception as error:  # EOF, reset, a frame that does not decode
-            self.broken = f"token stream from {self.name} lost: {error!r}"
+            self.broken = self.broken or f"token stream from {self.name} lost: {error!r}"
             logger.warning("%s", self.broken)
         finally:
             for queue in self._queues.values():
                 queue.put(LOST)
             self._writer.close()
 
-    async def stream(
-        self, call: Callable[[bytes, int], Awaitable[Any]], cancel: Callable[[Any], None]
-    ) -> AsyncIterator[Any]:
-        """Open one stream: `call(key, tag)` starts the node's relay (a Ray ObjectRef);
-        `cancel(ref)` stops it when the caller leaves before its end. Yields the deltas; raises
-        what the node's stream ended with, or `NodeFailed` when the node or the connection is
-        lost."""
+    async def stream(self, leg: Leg) -> AsyncIterator[Any]:
+        """Open one stream: the node runs `leg`. Yields its deltas; raises what the node's stream
+        ended with, or `NodeFailed` when the node or the connection is lost."""
         if self.broken:
             raise NodeFailed(self.broken)
+        payload = leg_payload(leg)
         tag, self._next_tag = self._next_tag, self._next_tag + 1
         queue = self._queues[tag] = Inbox()
-        ref = call(self.key, tag)
-        queue.on_overflow = lambda: cancel(ref)
-        done = asyncio.ensure_future(ref)
-        done.add_done_callback(lambda _: queue.put(CALL_ENDED))
+        queue.on_overflow = lambda: self._order(tag, CANCEL, None)
+        self._order(tag, OPEN, payload)
         ended = False
         try:
             while True:
@@ -165,19 +178,12 @@ class TokenStream:
                     raise SlowReader(
                         f"the client read none of its last {MAX_BACKLOG} deltas: request cancelled"
                     )
-                if item is CALL_ENDED:
-                    if done.cancelled() or done.exception() is None:
-                        continue  # the relay returned: its END is on the connection
-                    ended = True
-                    raise done.exception()
                 if item is LOST:
-                    # an actor that died closes its connection before Ray says so: wait a
-                    # moment for Ray's word, which tells a death from a lost link
-                    error = await _call_error(done)
-                    if error is not None:
-                        ended = True
-                        raise error
-                    raise NodeFailed(self.broken or f"token stream from {self.name} lost")
+                    ended = True  # the node stops what a closed connection opened
+                    died = await self._node_died()
+                    raise NodeFailed(
+                        self.broken or f"token stream from {self.name} lost", died=died
+                    )
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
@@ -185,25 +191,37 @@ class TokenStream:
         finally:
             del self._queues[tag]
             if not ended:
-                cancel(ref)
-            if not done.done():
-                done.cancel()
-            elif not done.cancelled():
-                done.exception()  # seen: not "never retrieved"
+                self._order(tag, CANCEL, None)
+
+    def _order(self, tag: int, kind: int, payload: Any) -> None:
+        """Queue an OPEN or a CANCEL; this loop turn's orders leave as one frame."""
+        if self.broken:
+            return
+        if not self._orders:
+            asyncio.get_running_loop().call_soon(self._send_orders)
+        self._orders.append((tag, kind, payload))
+
+    def _send_orders(self) -> None:
+        batch, self._orders = self._orders, []
+        if self.broken or self._writer.is_closing():
+            return
+        self._writer.write(encode_orders(batch))
+        if self._writer.transport.get_write_buffer_size() > MAX_UNSENT:
+            self.broken = f"{self.name} left {MAX_UNSENT} bytes of legs unread"
+            logger.warning("%s", self.broken)
+            self._writer.transport.abort()
+
+    async def _node_died(self) -> bool:
+        """The probe's answer for this connection, asked once whatever the streams on it."""
+        if self.probe is None:
+            return False
+        if self._died is None:
+            self._died = asyncio.ensure_future(self.probe())
+        try:
+            return await asyncio.shield(self._died)
+        except Exception as error:
+            logger.warning("probing %s after its token stream broke: %r", self.name, error)
+            return False
 
     def close(self) -> None:
         self._reading.cancel()
-
-
-async def _call_error(done: asyncio.Future) -> BaseException | None:
-    """The exception the stream's Ray call ended with, if it ends within `DEATH_NOTICE_S`."""
-    if done.cancelled():
-        return None
-    try:
-        async with asyncio.timeout(DEATH_NOTICE_S):
-            await asyncio.shield(done)
-    except TimeoutError:
-        return None
-    except Exception as error:
-        return error
-    return None

@@ -1,7 +1,8 @@
 """A router that leaves between a request's legs: the prefill node gives back the KV it kept for
 that router's decode legs once the router's token stream closes (not when each lease ends), and
-keeps another router's. The real prefill node's relay and token plane over loopback, with an
-engine that only answers."""
+keeps another router's. The real prefill node's relay and token plane over loopback (the legs
+opened on it, their vLLM `SamplingParams` decoded by the node), with an engine that only
+answers."""
 
 from __future__ import annotations
 
@@ -56,12 +57,9 @@ async def test_a_routers_kept_kv_is_given_back_when_it_leaves(monkeypatch):
     address = await node.delta_endpoint()
     routers = [await TokenStream.connect("p0", *address, SECRET) for _ in range(2)]
 
-    def call(leg):
-        return lambda key, tag: asyncio.ensure_future(node.relay(key, tag, leg))
-
     handles = []
     for i, tokens in enumerate(routers):
-        got = [d async for d in tokens.stream(call(prefill(f"req-{i}")), lambda ref: ref.cancel())]
+        got = [d async for d in tokens.stream(prefill(f"req-{i}"))]
         assert got[-1].token_ids == [7]
         handles.append(got[-1].handle)
     routers[0].close()  # router 0 dies between the legs
@@ -84,8 +82,7 @@ async def test_a_node_that_keeps_no_kv_for_others_gives_nothing_back():
     from pdserve_core.engine.legs import Whole
 
     whole = Whole(leg.request_id, leg.prompt_token_ids, leg.params)
-    start = lambda key, tag: asyncio.ensure_future(node.relay(key, tag, whole))  # noqa: E731
-    got = [d async for d in tokens.stream(start, lambda ref: ref.cancel())]
+    got = [d async for d in tokens.stream(whole)]
     assert got and not node._aside
     tokens.close()
     assert await _poll(lambda: not node._deltas.channels, 5)
