@@ -126,7 +126,7 @@ def path_cpu(cpu: dict[str, float]) -> dict[str, float]:
     return {**groups, "total": sum(groups.values())}
 
 
-def cpu_table(rounds: list[dict], streams: list[int]) -> list[str]:
+def cpu_table(rounds: list[dict], streams: list[int], systems: list[str]) -> list[str]:
     lines = [
         "CPU per generated token outside the engine (ms, mean across rounds):",
         "",
@@ -134,7 +134,7 @@ def cpu_table(rounds: list[dict], streams: list[int]) -> list[str]:
         "|---|---|" + "---|" * (len(PATH_GROUPS) + 1),
     ]
     for count in map(str, streams):
-        for system in SYSTEMS:
+        for system in systems:
             per_round = [path_cpu(r[system][count]["cpu_ms_per_token"]) for r in rounds]
             cells = [
                 f"{statistics.mean(p[group] for p in per_round):.2f}"
@@ -145,6 +145,9 @@ def cpu_table(rounds: list[dict], streams: list[int]) -> list[str]:
 
 
 def report(rounds: list[dict], streams: list[int]) -> str:
+    """The rounds' tables, for the systems they ran (vLLM among them: the rest are read
+    against it)."""
+    systems = [system for system in SYSTEMS if system in rounds[0]]
     lines = [
         "| round | streams | system | TTFT p50 | ITL p50 | TTFT over vLLM | ITL over vLLM |",
         "|---|---|---|---|---|---|---|",
@@ -153,7 +156,7 @@ def report(rounds: list[dict], streams: list[int]) -> str:
     for index, result in enumerate(rounds):
         for count in map(str, streams):
             base = result["vllm"][count]
-            for system in SYSTEMS:
+            for system in systems:
                 row = result[system][count]
                 over = ["", ""]
                 if system != "vllm":
@@ -168,12 +171,12 @@ def report(rounds: list[dict], streams: list[int]) -> str:
     lines += ["", "Mean overhead over vLLM across rounds:", ""]
     lines += ["| streams | system | TTFT p50 | ITL p50 |", "|---|---|---|---|"]
     for count in map(str, streams):
-        for system in SYSTEMS[1:]:
+        for system in systems[1:]:
             ttft = statistics.mean(added[(count, system, "ttft_p50_s")])
             itl = statistics.mean(added[(count, system, "itl_p50_s")])
             lines.append(f"| {count} | {system} | {ttft * 1e3:+.1f} ms | {itl * 1e3:+.1f} ms |")
-    if all("cpu_ms_per_token" in r[s][str(c)] for r in rounds for s in SYSTEMS for c in streams):
-        lines += ["", *cpu_table(rounds, streams)]
+    if all("cpu_ms_per_token" in r[s][str(c)] for r in rounds for s in systems for c in streams):
+        lines += ["", *cpu_table(rounds, streams, systems)]
     return "\n".join(lines) + "\n"
 
 
@@ -207,7 +210,7 @@ def main() -> None:
             print(index, system, json.dumps(result[system]), flush=True)
         rounds.append(result)
         (args.out / "results.json").write_text(json.dumps(rounds, indent=1))
-    if set(SYSTEMS) <= set(args.systems):
+    if "vllm" in args.systems:
         text = report(rounds, args.streams)
         (args.out / "results.md").write_text(text)
         print(text)
