@@ -416,8 +416,8 @@ class KVTransferConfig(_Strict):
     """On a failed pull: recompute the prefill on the decode node, or fail the request."""
     host: str = KV_DEFAULTS.host
     """Address each prefill node's KV server and every node's token stream (the legs the router
-    opens and the deltas it reads: router.token_stream) bind to. "0.0.0.0" on a multi-host cluster: decode nodes and the
-    router are then told the node host's Ray node address."""
+    opens and the deltas it reads: router.token_stream) bind to. "0.0.0.0" on a multi-host
+    cluster: decode nodes and the router are then told the node host's Ray node address."""
     port: int = Field(KV_DEFAULTS.port, ge=0, le=65535)
     """First port of the KV servers (0: pick free ports)."""
     secret: str | None = None

@@ -302,16 +302,8 @@ class DeltaServer:
 
     async def _orders(self, reader: asyncio.StreamReader, channel: Channel) -> None:
         """The router's OPEN and CANCEL frames, until it closes the connection."""
-        while True:
-            head = await reader.read(4)
-            if not head:
-                return  # the router closed it
-            if len(head) < 4:
-                head += await reader.readexactly(4 - len(head))
-            size = int.from_bytes(head, "big")
-            if size > MAX_FRAME:
-                raise ProtocolError(f"a {size}-byte frame")
-            for tag, kind, payload in decode_orders(await reader.readexactly(size)):
+        while (frame := await read_frame(reader)) is not None:
+            for tag, kind, payload in decode_orders(frame):
                 if kind == CANCEL:
                     channel.stop(tag)
                 elif tag in channel.running:
@@ -377,6 +369,20 @@ class DeltaServer:
             for task in channel.running.values():
                 task.cancel()
             channel.writer.close()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's bytes, either way (`MAX_FRAME` at most: a larger one is a
+    `ProtocolError`); None when the peer closed the connection between frames."""
+    head = await reader.read(4)
+    if not head:
+        return None
+    if len(head) < 4:
+        head += await reader.readexactly(4 - len(head))
+    size = int.from_bytes(head, "big")
+    if size > MAX_FRAME:
+        raise ProtocolError(f"a {size}-byte frame")
+    return await reader.readexactly(size)
 
 
 async def router_hello(

@@ -98,20 +98,30 @@ def encode(batch: list[tuple[int, Any]], where: str = "the node") -> bytes:
             items.append((tag, FAILED, describe(item, where)))
         else:
             items.append((tag, DELTA, [getattr(item, name) for name in DELTA_FIELDS]))
+    return _pack(items)
+
+
+def _pack(items: list) -> bytes:
+    """A frame: the length, then the items as msgpack."""
     data = msgpack.packb(items, use_bin_type=True)
     return len(data).to_bytes(4, "big") + data
 
 
-def decode(data: bytes) -> list[tuple[int, Any]]:
-    """A frame's (tag, item) pairs; `FrameError` for anything `encode` would not have made."""
+def _unpack(data: bytes) -> list:
+    """A frame's items as a list; `FrameError` for what is not msgpack, or not a list."""
     try:
         items = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as error:  # msgpack's own errors: ExtraData, FormatError, StackError, ...
         raise FrameError(f"a frame that is not msgpack: {error!r}") from None
     if not isinstance(items, list):
         raise FrameError("a frame that is not a list of items")
+    return items
+
+
+def decode(data: bytes) -> list[tuple[int, Any]]:
+    """A frame's (tag, item) pairs; `FrameError` for anything `encode` would not have made."""
     out = []
-    for item in items:
+    for item in _unpack(data):
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], int)):
             raise FrameError("an item that is not [tag, kind, payload]")
         tag, kind, payload = item
@@ -151,10 +161,9 @@ FIELD_CHECKS: dict[str, Any] = {
 
 def leg_payload(leg: Leg) -> list[Any]:
     """`[kind, field, ...]` of a leg, its `params` as msgspec msgpack bytes."""
-    values = [getattr(leg, f.name) for f in fields(leg)]
     return [leg.KIND] + [
-        msgspec.msgpack.encode(value) if f.name == "params" else value
-        for f, value in zip(fields(leg), values, strict=True)
+        msgspec.msgpack.encode(leg.params) if f.name == "params" else getattr(leg, f.name)
+        for f in fields(leg)
     ]
 
 
@@ -186,19 +195,13 @@ def leg_from(payload: Any, params_type: Any) -> Leg:
 
 def encode_orders(batch: list[tuple[int, int, Any]]) -> bytes:
     """One frame of router-to-node (tag, `OPEN` | `CANCEL`, payload) items."""
-    data = msgpack.packb(batch, use_bin_type=True)
-    return len(data).to_bytes(4, "big") + data
+    return _pack(batch)
 
 
 def decode_orders(data: bytes) -> list[tuple[int, int, Any]]:
     """A router frame's (tag, kind, payload) items, the payloads not yet read (`leg_from`);
     `FrameError` for anything else."""
-    try:
-        items = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as error:  # msgpack's own errors
-        raise FrameError(f"a frame that is not msgpack: {error!r}") from None
-    if not isinstance(items, list):
-        raise FrameError("a frame that is not a list of items")
+    items = _unpack(data)
     for item in items:
         if not (
             isinstance(item, list)

@@ -29,8 +29,8 @@ from typing import Any
 
 from pdserve_core.engine.deltas import (
     HIGH_WATER,
-    MAX_FRAME,
     new_key,
+    read_frame,
     router_hello,
     secret_bytes,
     tune,
@@ -136,18 +136,16 @@ class TokenStream:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
-            while True:
-                size = int.from_bytes(await reader.readexactly(4), "big")
-                if size > MAX_FRAME:
-                    raise ConnectionError(f"a {size}-byte frame")
-                for tag, item in decode(await reader.readexactly(size)):
+            while (frame := await read_frame(reader)) is not None:
+                for tag, item in decode(frame):
                     queue = self._queues.get(tag)
                     if queue is not None:  # else a stream the router has left already
                         queue.put(item)
+            raise ConnectionError("the node closed the connection")
         except asyncio.CancelledError:
             self.broken = "closed by the router"
             raise
-        except Exception as error:  # EOF, reset, a frame that does not decode
+        except Exception as error:  # EOF, reset, a frame too large or that does not decode
             self.broken = self.broken or f"token stream from {self.name} lost: {error!r}"
             logger.warning("%s", self.broken)
         finally:
