@@ -123,6 +123,12 @@ def engine_kwargs(
         seed=engine.seed,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         enable_logging_iteration_details=True,  # per-step tokens and time for the utilization
+        # vLLM's default stat loggers off: its logging one writes a line per engine step once
+        # iteration details are on, and each line crossed Ray's log pipeline (the actor, Ray's
+        # log monitor, the GCS, the router's printer) on the cores the engines and the router
+        # use. pdserve's own stat logger (`stats.py`) still gets every step, and vLLM's
+        # Prometheus logger stays.
+        disable_log_stats=True,
     )
     if engine.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = engine.max_num_batched_tokens
@@ -222,8 +228,6 @@ class EngineActor:
             kv_transfer = _advertised(kwargs["kv_transfer_config"])
             kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
         args = AsyncEngineArgs(**kwargs)
-        # vLLM's default logging stat logger would log every step (iteration details are on)
-        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         self._engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[stat_logger_factory(self._collector)]
         )

@@ -112,6 +112,30 @@ def _poll(what, deadline_s: float) -> bool:
     return False
 
 
+def test_the_log_tells_requests_not_engine_steps(client, server):
+    """The engine's per-step records feed the metrics, not the log: 128 engine steps add a
+    handful of lines at most (vLLM's logging stat logger wrote one per step, through Ray's log
+    pipeline on the serving cores). The engine's lines reach the server's log through Ray's log
+    monitor, so the check polls for them."""
+
+    def lines() -> int:
+        return server.log.read_text(errors="replace").count("\n")
+
+    before = lines()
+    for _ in range(4):
+        client.completions.create(
+            model=server.model,
+            prompt="Count: one, two,",
+            max_tokens=32,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    assert not _poll(lambda: lines() - before >= 16, deadline_s=5), (
+        f"{lines() - before} log lines for 128 engine steps:\n"
+        + "\n".join(server.log.read_text(errors="replace").splitlines()[before:][:10])
+    )
+
+
 def test_each_router_serves_the_one_node(server):
     """Both routers answer alike from the one engine; router 0 alone exports the node series,
     every router its own request series."""
