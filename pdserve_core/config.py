@@ -236,7 +236,9 @@ class PlacementConfig(_Strict):
     """`threshold` mode: the longest prompt computed on its decode node."""
     stall_budget_s: float = Field(0.15, ge=0)
     """`adaptive` mode: the most a local prompt may add to one step of the decode node's running
-    streams (0.25 s is a gap a reader notices)."""
+    streams (0.25 s is a gap a reader notices). Raised to 0.5 on a 2-core host, a conversation's
+    later turns ran on the decode node holding their history: median TTFT about plain vLLM's,
+    gap p99 1.7-1.9x its (docs/benchmarks.md)."""
     ttft_target_s: float = Field(0.5, gt=0)
     """`adaptive` mode: a prompt goes to a prefill node while its first token there is estimated
     within this (half the 1 s TTFT SLO of the benchmarks, for margin)."""
