@@ -238,7 +238,7 @@ class PlacementConfig(_Strict):
     """`adaptive` mode: the most a local prompt may add to one step of the decode node's running
     streams (0.25 s is a gap a reader notices). Raised to 0.5 on a 2-core host, a conversation's
     later turns ran on the decode node holding their history: median TTFT about plain vLLM's,
-    gap p99 1.7-1.9x its (docs/benchmarks.md)."""
+    gap p99 1.7-1.9x vLLM's (docs/benchmarks.md)."""
     ttft_target_s: float = Field(0.5, gt=0)
     """`adaptive` mode: a prompt goes to a prefill node while its first token there is estimated
     within this (half the 1 s TTFT SLO of the benchmarks, for margin)."""

@@ -135,6 +135,7 @@ module gets the running server at $PDSERVE_TARGET_URL instead of a `vllm serve` 
 
 import json
 import os
+from fnmatch import fnmatch
 from urllib.parse import urlsplit
 
 import httpx
@@ -267,8 +268,6 @@ def _lines(path):
 def pytest_collection_modifyitems(config, items):
     """With $PDSERVE_TARGET_ONLY (a file of test ids, one a line), only those tests run; with
     $PDSERVE_TARGET_LEAVE (a file of fnmatch patterns), none that matches one runs."""
-    from fnmatch import fnmatch
-
     wanted = set(_lines(ONLY)) if ONLY else None
     left = _lines(LEAVE) if LEAVE else []
     keep, dropped = [], []
