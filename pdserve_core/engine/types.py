@@ -59,6 +59,41 @@ class TokenDelta:
     """Prompt tokens the engine found in its prefix cache (on the first delta)."""
 
 
+def joinable(first: TokenDelta, then: TokenDelta) -> bool:
+    """Whether `then`, the delta right after `first` on a stream, can be told with it as one:
+    the same sequence, `first` not its last, and logprobs on both or neither (one entry per
+    token either way)."""
+    return (
+        then.index == first.index
+        and first.finish_reason is None
+        and (first.logprobs is None) == (then.logprobs is None)
+    )
+
+
+def joined(first: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """`first` and `then` (`joinable`) as one delta: their tokens, text and logprobs in order;
+    what only a first delta carries (prompt logprobs, cached tokens) from `first`, what only a
+    last one carries (finish, stop reason, handle) from `then`."""
+    return TokenDelta(
+        token_ids=first.token_ids + then.token_ids,
+        text=first.text + then.text,
+        finish_reason=then.finish_reason,
+        stop_reason=then.stop_reason,
+        num_prompt_tokens=then.num_prompt_tokens or first.num_prompt_tokens,
+        handle=then.handle if then.handle is not None else first.handle,
+        index=first.index,
+        logprobs=None if first.logprobs is None else first.logprobs + (then.logprobs or []),
+        prompt_logprobs=(
+            first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+        ),
+        num_cached_tokens=(
+            first.num_cached_tokens
+            if first.num_cached_tokens is not None
+            else then.num_cached_tokens
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """What a node says about itself once its engine is up."""

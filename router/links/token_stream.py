@@ -13,6 +13,10 @@ event-loop turn go out as one frame. A connection that breaks ends every stream 
 an actor that dies closes its connections before anyone asks), and the next stream opens a new
 connection.
 
+A stream's reader that falls behind takes the deltas of a sequence that queued meanwhile as one
+(`Inbox.gather`), as vLLM's own server does: fewer, larger events when the router is busy, one
+per delta when it keeps up.
+
 Each stream's queue is bounded (`MAX_BACKLOG` deltas): a client that stops reading while its
 request runs on leaves its deltas here, and past the bound the request is cancelled on the node
 at once, the queue emptied, and the stream ends with `SlowReader` when (if ever) it is read again.
@@ -37,6 +41,7 @@ from pdserve_core.engine.deltas import (
 )
 from pdserve_core.engine.frames import CANCEL, END, OPEN, decode, encode_orders, leg_payload
 from pdserve_core.engine.legs import Leg
+from pdserve_core.engine.types import TokenDelta, joinable, joined
 from pdserve_core.kv.wire import ProtocolError
 from router.errors import NodeFailed, SlowReader
 
@@ -81,6 +86,15 @@ class Inbox:
             self._ready.clear()
             await self._ready.wait()
         return self.items.popleft()
+
+    def gather(self, delta: TokenDelta) -> TokenDelta:
+        """`delta` with the deltas of its sequence queued right behind it, as one: a reader that
+        fell behind takes what arrived meanwhile in one piece (as vLLM's own output collector
+        does), and never waits for more."""
+        items = self.items
+        while items and isinstance(items[0], TokenDelta) and joinable(delta, items[0]):
+            delta = joined(delta, items.popleft())
+        return delta
 
 
 class TokenStream:
@@ -185,7 +199,7 @@ class TokenStream:
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
-                yield item
+                yield queue.gather(item) if isinstance(item, TokenDelta) else item
         finally:
             del self._queues[tag]
             if not ended:

@@ -511,3 +511,28 @@ async def test_a_decode_node_that_takes_prefetches_follows_the_prefill_under_one
     assert [ask[1:] for ask in d.prefetches] == [("127.9.0.1", (7100, 7101), 4, 128)] * 2
     assert len(set(keys)) == 2 and all(len(key) == 32 for key in keys)
     assert [call.leg.prefetch for call in p.calls[2:]] == keys  # the prefill leg carries its key
+
+
+def test_deltas_a_reader_fell_behind_on_are_joined_as_one():
+    from pdserve_core.engine.types import TokenDelta, joinable, joined
+
+    top = [(5, -0.1, 1, "a")]
+    first = TokenDelta([5], "a", logprobs=[top], prompt_logprobs=[None, top], num_cached_tokens=16)
+    last = TokenDelta(
+        [6, 7], "bc", "stop", 7, 3, {"port": 1}, logprobs=[top, top], num_cached_tokens=0
+    )
+    assert joinable(first, last)
+    both = joined(first, last)
+    assert (both.token_ids, both.text, both.logprobs) == ([5, 6, 7], "abc", [top, top, top])
+    assert (both.finish_reason, both.stop_reason, both.handle) == ("stop", 7, {"port": 1})
+    assert (both.prompt_logprobs, both.num_cached_tokens, both.num_prompt_tokens) == (
+        [None, top],
+        16,
+        3,
+    )
+    # never across sequences, past a sequence's end, or where logprobs would lose their tokens
+    assert not joinable(first, replace(last, index=1))
+    assert not joinable(replace(first, finish_reason="length"), last)
+    assert not joinable(first, replace(last, logprobs=None))
+    plain = TokenDelta([1], "x")
+    assert joined(plain, TokenDelta([2], "y")) == TokenDelta([1, 2], "xy")

@@ -303,7 +303,8 @@ async def test_silent_and_flooding_peers_are_bounded_and_let_go(node, monkeypatc
     assert all(n <= deltas.MAX_UNPROVEN_PER_PEER for n in node.server._unproven.values())
     script = [TokenDelta([i], str(i)) for i in range(20)] + [END]
     got = await asyncio.wait_for(collect(tokens.stream(node.leg(script))), 10)
-    assert len(got) == 20  # the router's own stream is served meanwhile
+    # the router's own stream is served meanwhile
+    assert [token for delta in got for token in delta.token_ids] == list(range(20))
     for _ in range(300):  # past the hello deadline nothing of the flood is held
         if node.server._connections == 1:
             break
@@ -403,7 +404,7 @@ async def test_a_reader_that_stalls_has_its_request_cancelled_past_the_bound(nod
     script = [TokenDelta([i], "x") for i in range(200)] + [END]
     stream = tokens.stream(node.leg(script))
     first = await anext(stream)  # then the client stops reading
-    assert first.token_ids == [0]
+    assert first.token_ids[0] == 0
     for _ in range(500):
         if node.cancelled:
             break

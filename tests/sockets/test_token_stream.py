@@ -24,6 +24,7 @@ SCRIPT = r"""
 import asyncio, json, os, socket, time, typing
 import ray
 from pdserve_core.engine.deltas import client_tls
+from pdserve_core.engine.frames import END
 from pdserve_core.engine.actor import EngineActor
 from pdserve_core.engine.legs import Decode, Prefill, Whole
 from pdserve_core.engine.types import RequestRejected, TokenDelta
@@ -85,7 +86,7 @@ def script_leg(request_id, count, pause=0.0, fail_after=None):
 
 
 async def collect(stream):
-    return [d.token_ids[0] async for d in stream]
+    return [token async for d in stream for token in d.token_ids]
 
 
 async def main():
@@ -106,11 +107,28 @@ async def main():
     whole = all(r == list(range(20)) for r in results)
     print("MANY", whole, items == 16 * 21, frames < items / 3, channels == 1, items, frames)
 
+    # 2b. a reader that fell behind takes the deltas queued meanwhile as one, in order, the
+    # last one's finish with them; one that keeps up gets each delta as it came (1. and 2.)
+    stream = client.stream(script_leg("g", 20))
+    first = await anext(stream)
+    inbox = next(iter(client._tokens._queues.values()))
+    deadline = time.monotonic() + 30
+    while not (inbox.items and inbox.items[-1] is END) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # until the rest and the stream's end wait in its queue
+    rest = [d async for d in stream]
+    tokens = first.token_ids + rest[0].token_ids
+    print(
+        "GATHERED",
+        len(rest) == 1,
+        tokens == list(range(20)) and first.text + rest[0].text == "".join(map(str, range(20))),
+        rest[0].finish_reason == "length",
+    )
+
     # 3. the node's refusal arrives after the deltas before it, as itself
     seen = []
     try:
         async for d in client.stream(script_leg("r3", 5, 0.0, 2)):
-            seen.append(d.token_ids[0])
+            seen += d.token_ids
         print("REFUSED", False)
     except RequestRejected as error:
         print("REFUSED", seen == [0, 1] and "refused after 2" in str(error))
@@ -247,6 +265,7 @@ ray.shutdown()
 CHECKS = (
     "ORDER",
     "MANY",
+    "GATHERED",
     "REFUSED",
     "OTHER",
     "METHOD",
