@@ -19,9 +19,15 @@ scaling measured there is a floor.
 
 Beside them (`--vllm`, on by default), what a user would run instead: vLLM's own OpenAI server
 (its app and serving layer, built as `vllm serve` builds them, over vLLM's own `AsyncLLM`: input
-processing, output processor, detokenizer, stat loggers) whose engine core costs nothing — the
-same fake steps answered in the server's process, so vLLM's ZMQ hop to its engine core process
-is the one part of its front end not paid — pinned to one core. The same phases, the same client.
+processing, output processor, detokenizer, stat loggers) over an engine that costs nothing,
+pinned to one core, twice:
+- `vllm-core-process`: as `vllm serve` runs, its engine core in a process of its own (vLLM's
+  scheduler and busy loop, reached over vLLM's ZMQ hop) whose executor has no model
+  (`NullExecutor`: each step every scheduled request gets one token) — the API server pays what
+  it pays in a real deployment, as the routers pay the token stream to their nodes;
+- `vllm-null-core`: the same fake steps answered in the server's own process (`NullCore`, in
+  place of vLLM's engine core client), so the ZMQ hop is not paid: a floor no deployment runs.
+The same phases, the same client; CPU is the API server process's alone, as it is the routers'.
 Writes
 results/bench/router-scale/<cpu>-<cores>c.json:
     python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8] [--no-vllm]
@@ -39,6 +45,7 @@ import secrets
 import statistics
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 import ray  # noqa: E402
+from vllm.v1.executor.abstract import Executor  # noqa: E402
 
 from pdserve_core.engine.actor import EngineActor  # noqa: E402
 from pdserve_core.engine.types import NodeInfo  # noqa: E402
@@ -173,11 +181,80 @@ class NullCore:
         pass
 
 
-def serve_null_vllm(model_dir: str, step_s: float) -> None:
+class NullExecutor(Executor):
+    """vLLM's executor with no model, for an engine core process of vLLM's own (the
+    `vllm-core-process` baseline): each step (`$NULL_STEP_S`; 0: as fast as the busy loop runs)
+    every request the scheduler scheduled gets one token, `$NULL_TOKEN_ID`. Its KV cache is
+    declared, never allocated."""
+
+    def _init_executor(self) -> None:
+        text = self.model_config.hf_text_config
+        self._layers = text.num_hidden_layers
+        self._kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self._head_size = text.hidden_size // text.num_attention_heads
+        self._step_s = float(os.environ.get("NULL_STEP_S", "0"))
+        self._token_id = int(os.environ.get("NULL_TOKEN_ID", "0"))
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        return _done([None]) if non_block else [None]  # no workers: nothing to tell
+
+    def get_kv_cache_specs(self) -> list[dict]:
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        spec = FullAttentionSpec(
+            block_size=self.cache_config.block_size or 16,
+            num_kv_heads=self._kv_heads,
+            head_size=self._head_size,
+            dtype=torch.float32,
+        )
+        return [{f"model.layers.{i}.self_attn.attn": spec for i in range(self._layers)}]
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["LBNHC"]]
+
+    def determine_available_memory(self) -> list[int]:
+        return [64 << 30]  # declared only: room for every stream of the cadence phase
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if self._step_s:
+            time.sleep(self._step_s)
+        ids = list(scheduler_output.num_scheduled_tokens)
+        output = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={request_id: i for i, request_id in enumerate(ids)},
+            sampled_token_ids=[[self._token_id] for _ in ids],
+        )
+        return _done(output) if non_block else output
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _done(value):
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def serve_null_vllm(model_dir: str, step_s: float, core: str) -> None:
     """`--serve-null-vllm`: vLLM's OpenAI app (built as `vllm serve` builds it) over vLLM's own
     `AsyncLLM` — its input processing, output processor and detokenizer, request queues and stat
-    loggers — whose engine core is `NullCore`, on a free loopback port; prints `READY` and the
-    port once it serves."""
+    loggers — on a free loopback port; prints `READY` and the port once it serves. `core`:
+    "process", vLLM's engine core in its own process over `NullExecutor`; "in-process",
+    `NullCore` in this process."""
     import socket
 
     import uvicorn
@@ -194,12 +271,16 @@ def serve_null_vllm(model_dir: str, step_s: float) -> None:
     args = vllm_args(model_dir, "m")
 
     async def main() -> None:
+        [token_id] = get_tokenizer(model_dir).encode(TOKEN.decode(), add_special_tokens=False)
+        if core == "process":  # the engine core process reads these
+            os.environ |= {"NULL_STEP_S": str(step_s), "NULL_TOKEN_ID": str(token_id)}
+            args.distributed_executor_backend = NullExecutor
+        else:
+            null = NullCore(step_s, token_id)
+            core_client.EngineCoreClient.make_async_mp_client = staticmethod(lambda *a, **k: null)
         config = AsyncEngineArgs.from_cli_args(args).create_engine_config(
             UsageContext.OPENAI_API_SERVER
         )
-        [token_id] = get_tokenizer(model_dir).encode(TOKEN.decode(), add_special_tokens=False)
-        core = NullCore(step_s, token_id)
-        core_client.EngineCoreClient.make_async_mp_client = staticmethod(lambda *a, **k: core)
         engine = AsyncLLM.from_vllm_config(config, usage_context=UsageContext.OPENAI_API_SERVER)
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, config.model_config)
@@ -321,12 +402,17 @@ async def with_routers(count: int, nodes: list, infos: list, model_dir: Path, se
         await keeping
 
 
-def with_null_vllm(step_s: float, plan: dict, seconds: float) -> list[dict]:
-    """The plan's phases against vLLM's own server over a null engine (`serve_null_vllm`), in a
-    process of its own pinned to core 0 as router 0 is."""
+VLLM_SERVERS = {"process": "vllm-core-process", "in-process": "vllm-null-core"}
+"""`serve_null_vllm`'s engine cores, and the name each baseline's points go by."""
+
+
+def with_null_vllm(step_s: float, plan: dict, seconds: float, core: str) -> list[dict]:
+    """The plan's phases against vLLM's own server over a null engine (`serve_null_vllm`, its
+    engine core `core`), the server in a process of its own pinned to core 0 as router 0 is (an
+    engine core process of vLLM's is not pinned, as the nodes are not)."""
     import subprocess
 
-    command = [sys.executable, __file__, "--serve-null-vllm", str(step_s)]
+    command = [sys.executable, __file__, "--serve-null-vllm", str(step_s), "--null-core", core]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -338,7 +424,7 @@ def with_null_vllm(step_s: float, plan: dict, seconds: float) -> list[dict]:
         psutil.Process(server.pid).cpu_affinity([0])
         points = []
         for phase, (body, clients, gaps) in plan.items():
-            point = {"server": "vllm-null-core", "phase": phase, "clients": clients}
+            point = {"server": VLLM_SERVERS[core], "phase": phase, "clients": clients}
             point |= asyncio.run(
                 measure([("127.0.0.1", port)], [server.pid], body, clients, seconds, gaps)
             )
@@ -369,12 +455,21 @@ def main() -> int:
         default=True,
         help="measure vLLM's own OpenAI server over a null engine beside the routers",
     )
+    parser.add_argument(
+        "--vllm-cores",
+        nargs="+",
+        choices=list(VLLM_SERVERS),
+        default=list(VLLM_SERVERS),
+        help="vLLM's baselines: its engine core in a process of its own over a null executor "
+        "(as `vllm serve` runs), and/or a null core in the API server's process",
+    )
     parser.add_argument("--serve-null-vllm", type=float, metavar="STEP_S", help=argparse.SUPPRESS)
+    parser.add_argument("--null-core", choices=list(VLLM_SERVERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_null_vllm is not None:  # the vLLM server's own process (below)
         from pdserve_core.model_prep import prepare_default_model
 
-        serve_null_vllm(str(prepare_default_model()), args.serve_null_vllm)
+        serve_null_vllm(str(prepare_default_model()), args.serve_null_vllm, args.null_core)
         return 0
 
     from pdserve_core.model_prep import prepare_default_model
@@ -421,9 +516,10 @@ def main() -> int:
         for node in nodes:
             ray.kill(node)
         if args.vllm:
-            for point in with_null_vllm(step_s, plans[label], args.seconds):
-                print(json.dumps(point), flush=True)
-                results["points"].append(point)
+            for core in args.vllm_cores:
+                for point in with_null_vllm(step_s, plans[label], args.seconds, core):
+                    print(json.dumps(point), flush=True)
+                    results["points"].append(point)
     ray.shutdown()
     slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
     out = args.out or REPO / "results/bench/router-scale" / f"{slug}-{cores}c.json"
