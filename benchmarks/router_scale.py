@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -431,8 +432,23 @@ def with_null_vllm(step_s: float, plan: dict, seconds: float, core: str) -> list
             points.append({k.replace("router_", "server_"): v for k, v in point.items()})
         return points
     finally:
-        server.terminate()
+        _stop_with_children(psutil.Process(server.pid))
         server.wait(timeout=30)
+
+
+def _stop_with_children(process: psutil.Process) -> None:
+    """Stop `process` and every process it started (vLLM's engine core outlives its API server
+    otherwise, and ignores SIGTERM once orphaned): SIGTERM, then SIGKILL to those left after
+    10 s."""
+    family = [process, *process.children(recursive=True)]
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, left = psutil.wait_procs(family, timeout=10)
+    for member in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(left, timeout=10)
 
 
 def cpu_model() -> str:
