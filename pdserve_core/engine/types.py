@@ -7,6 +7,7 @@ metrics) depends on it alone, so it can be tested with fake nodes.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -70,26 +71,30 @@ def joinable(first: TokenDelta, then: TokenDelta) -> bool:
     )
 
 
-def joined(first: TokenDelta, then: TokenDelta) -> TokenDelta:
-    """`first` and `then` (`joinable`) as one delta: their tokens, text and logprobs in order;
-    what only a first delta carries (prompt logprobs, cached tokens) from `first`, what only a
-    last one carries (finish, stop reason, handle) from `then`."""
+def joined(run: Sequence[TokenDelta]) -> TokenDelta:
+    """A run of deltas, each `joinable` with the one before it, as one: their tokens, text and
+    logprobs in order (each copied once, however long the run); what only a first delta carries
+    (prompt logprobs, cached tokens) from the first that has it, what only a last one carries
+    (finish, stop reason, handle) from the last."""
+    first, last = run[0], run[-1]
+    if len(run) == 1:
+        return first
     return TokenDelta(
-        token_ids=first.token_ids + then.token_ids,
-        text=first.text + then.text,
-        finish_reason=then.finish_reason,
-        stop_reason=then.stop_reason,
-        num_prompt_tokens=then.num_prompt_tokens or first.num_prompt_tokens,
-        handle=then.handle if then.handle is not None else first.handle,
-        index=first.index,
-        logprobs=None if first.logprobs is None else first.logprobs + (then.logprobs or []),
-        prompt_logprobs=(
-            first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+        token_ids=[token for delta in run for token in delta.token_ids],
+        text="".join(delta.text for delta in run),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_prompt_tokens=next(
+            (d.num_prompt_tokens for d in reversed(run) if d.num_prompt_tokens), 0
         ),
-        num_cached_tokens=(
-            first.num_cached_tokens
-            if first.num_cached_tokens is not None
-            else then.num_cached_tokens
+        handle=next((d.handle for d in reversed(run) if d.handle is not None), None),
+        index=first.index,
+        logprobs=None if first.logprobs is None else [p for d in run for p in d.logprobs or ()],
+        prompt_logprobs=next(
+            (d.prompt_logprobs for d in run if d.prompt_logprobs is not None), None
+        ),
+        num_cached_tokens=next(
+            (d.num_cached_tokens for d in run if d.num_cached_tokens is not None), None
         ),
     )
 

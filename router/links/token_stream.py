@@ -91,10 +91,10 @@ class Inbox:
         """`delta` with the deltas of its sequence queued right behind it, as one: a reader that
         fell behind takes what arrived meanwhile in one piece (as vLLM's own output collector
         does), and never waits for more."""
-        items = self.items
-        while items and isinstance(items[0], TokenDelta) and joinable(delta, items[0]):
-            delta = joined(delta, items.popleft())
-        return delta
+        items, run = self.items, [delta]
+        while items and isinstance(items[0], TokenDelta) and joinable(run[-1], items[0]):
+            run.append(items.popleft())
+        return joined(run)
 
 
 class TokenStream:

@@ -518,11 +518,10 @@ def test_deltas_a_reader_fell_behind_on_are_joined_as_one():
 
     top = [(5, -0.1, 1, "a")]
     first = TokenDelta([5], "a", logprobs=[top], prompt_logprobs=[None, top], num_cached_tokens=16)
-    last = TokenDelta(
-        [6, 7], "bc", "stop", 7, 3, {"port": 1}, logprobs=[top, top], num_cached_tokens=0
-    )
-    assert joinable(first, last)
-    both = joined(first, last)
+    middle = TokenDelta([6], "b", logprobs=[top])
+    last = TokenDelta([7], "c", "stop", 7, 3, {"port": 1}, logprobs=[top], num_cached_tokens=0)
+    assert joinable(first, middle) and joinable(middle, last)
+    both = joined([first, middle, last])
     assert (both.token_ids, both.text, both.logprobs) == ([5, 6, 7], "abc", [top, top, top])
     assert (both.finish_reason, both.stop_reason, both.handle) == ("stop", 7, {"port": 1})
     assert (both.prompt_logprobs, both.num_cached_tokens, both.num_prompt_tokens) == (
@@ -535,4 +534,5 @@ def test_deltas_a_reader_fell_behind_on_are_joined_as_one():
     assert not joinable(replace(first, finish_reason="length"), last)
     assert not joinable(first, replace(last, logprobs=None))
     plain = TokenDelta([1], "x")
-    assert joined(plain, TokenDelta([2], "y")) == TokenDelta([1, 2], "xy")
+    assert joined([plain]) is plain
+    assert joined([plain, TokenDelta([2], "y")]) == TokenDelta([1, 2], "xy")
