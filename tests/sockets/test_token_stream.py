@@ -108,7 +108,7 @@ async def main():
     print("MANY", whole, items == 16 * 21, frames < items / 3, channels == 1, items, frames)
 
     # 2b. a reader that fell behind takes the deltas queued meanwhile as one, in order, the
-    # last one's finish with them; one that keeps up gets each delta as it came (1. and 2.)
+    # last one's finish with them (gathering takes only what already waits, never waits for more)
     stream = client.stream(script_leg("g", 20))
     first = await anext(stream)
     inbox = next(iter(client._tokens._queues.values()))
