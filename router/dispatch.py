@@ -113,13 +113,11 @@ class Dispatcher:
             Prefix(prepared.prompt_token_ids, prepared.cache_salt) if self.prefix_aware else None
         )
         route = self.routing.route(len(prepared.prompt_token_ids), params, prefix)
-        logger.debug(
-            "%s: legs %s, %s (%s)",
-            prepared.log_id,
-            prepared.internal_id,
-            route.legs(),
-            route.reason,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            legs = route.legs()
+            logger.debug(
+                "%s: legs %s, %s (%s)", prepared.log_id, prepared.internal_id, legs, route.reason
+            )
         if route.reason == "no_decode_node":
             logger.warning("%s: no healthy decode node; a prefill node serves it", prepared.log_id)
         elif route.reason == "no_prefill_node":
@@ -130,7 +128,8 @@ class Dispatcher:
             held = route.node.cached_tokens(prefix)
             run = self._split(route, prepared, deadline, held)
         else:
-            run = _relay(self.pools[route.pool], route.node, prepared, deadline)
+            whole = Whole(prepared.internal_id, prepared.prompt_token_ids, params)
+            run = self.pools[route.pool].stream(route.node, whole, deadline)
         if prefix is not None:
             for node in filter(None, (route.prefill, route.node)):
                 node.prefixes.record(node.info, prefix)
@@ -264,14 +263,3 @@ class Dispatcher:
             logprobs=logprobs if num_logprobs(params) is not None else None,
             num_cached_tokens=first.num_cached_tokens,
         )
-
-
-async def _relay(
-    pool: Pool, node: Node, prepared: PreparedRequest, deadline: float
-) -> AsyncIterator[TokenDelta]:
-    """A whole request on one node."""
-    whole = Whole(prepared.internal_id, prepared.prompt_token_ids, prepared.sampling_params)
-    leg = pool.stream(node, whole, deadline)
-    async with aclosing(leg):
-        async for delta in leg:
-            yield delta

@@ -29,7 +29,13 @@ from pdserve_core.engine.legs import Leg, computes_prompt
 from pdserve_core.engine.types import NodeInfo, RequestRejected, TokenDelta
 from router import clock
 from router.decides.policies import RoutingPolicy
-from router.errors import DeadlineExceeded, InvalidRequest, NodeFailed, PoolUnavailable
+from router.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    NodeFailed,
+    PoolUnavailable,
+    RequestError,
+)
 from router.links.nodes import Node
 
 logger = logging.getLogger(__name__)
@@ -67,27 +73,35 @@ class Hearing:
 
 
 class _Watch:
-    """A stream's watch over its node: every quarter of `silence_s` it looks whether the node
-    fell silent or its engine is stuck, and if so while the stream waits for the node
-    (`armed`), it cancels the stream's task, which the stream turns into `failure` (as
-    `asyncio.timeout` turns its cancel into TimeoutError). One timer per stream, none per
-    delta."""
+    """A stream's one timer over its node and its deadline. Every quarter of `silence_s` it looks
+    whether the node fell silent or its engine is stuck, and if so while the stream waits for
+    the node (`armed`), it cancels the stream's task, which the stream turns into `failure` (as
+    `asyncio.timeout` turns its cancel into TimeoutError). At `deadline` (monotonic) it cancels
+    the task whatever it waits on, the failure `DeadlineExceeded`. One timer per stream, none
+    per delta."""
 
-    def __init__(self, pool: Pool, node: Node) -> None:
+    def __init__(self, pool: Pool, node: Node, deadline: float, what: str) -> None:
         self.pool, self.node = pool, node
+        self.deadline, self.what = deadline, what
         self.task = asyncio.current_task()
         self.armed = False
-        self.failure: NodeFailed | None = None
+        self.failure: RequestError | None = None
         self._poll_s = pool.silence_s / 4
         self._timer: asyncio.TimerHandle | None = None
         self._schedule()
 
     def _schedule(self) -> None:
         self._asked = clock.now()
-        self._timer = asyncio.get_running_loop().call_later(self._poll_s, self._look)
+        self._wait = min(self._poll_s, self.deadline - self._asked)
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, self._wait), self._look)
 
     def _look(self) -> None:
-        self.pool.hearing.woke(self._poll_s, clock.now() - self._asked)
+        now = clock.now()
+        if now >= self.deadline:
+            self.failure = DeadlineExceeded(f"request {self.what} passed its deadline")
+            self.task.cancel()
+            return
+        self.pool.hearing.woke(self._wait, now - self._asked)
         if self.armed:
             quiet = self.pool.silent_for(self.node)
             if quiet:
@@ -141,21 +155,32 @@ class Pool:
 
     async def stream(self, node: Node, leg: Leg, deadline: float) -> AsyncIterator[TokenDelta]:
         """Yield the deltas of `leg` run on `node` until the leg finishes or `deadline`
-        (monotonic) passes."""
+        (monotonic) passes; a node silent for `silence_s` (or whose engine is stuck) while the
+        stream waits for it ends the stream with `NodeFailed`."""
         prompt_token_ids, request_id = leg.prompt_token_ids, leg.request_id
         node.outstanding += 1
         node.outstanding_prompt_tokens += len(prompt_token_ids)
         computing = len(prompt_token_ids) if computes_prompt(leg) else 0
         node.prefilling_tokens += computing
         deltas = node.client.stream(leg)
+        watch = _Watch(self, node, deadline, request_id)
         try:  # closing the node's stream (below) cancels the call on the node
-            async with asyncio.timeout(max(0.0, deadline - clock.now())):
-                async for delta in self._while_heard(node, deltas):
-                    node.prefilling_tokens -= computing
-                    computing = 0
-                    yield delta
-        except TimeoutError:
-            raise DeadlineExceeded(f"request {request_id} passed its deadline") from None
+            while True:
+                watch.armed = True
+                try:
+                    delta = await anext(deltas)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if watch.failure is None or watch.task.uncancel():
+                        raise  # not the watch's doing (the caller left)
+                    raise watch.failure from None
+                finally:
+                    watch.armed = False
+                self.hearing.heard(node)
+                node.prefilling_tokens -= computing
+                computing = 0
+                yield delta
         except RequestRejected as error:
             raise InvalidRequest(error.message) from None
         except NodeFailed as error:
@@ -166,6 +191,7 @@ class Pool:
                 died=error.died,
             ) from None
         finally:
+            watch.close()
             node.outstanding -= 1
             node.outstanding_prompt_tokens -= len(prompt_token_ids)
             node.prefilling_tokens -= computing
@@ -206,27 +232,3 @@ class Pool:
         """Seconds the node has been silent beyond `silence_s` (0: not silent, or the router
         could not have heard it)."""
         return self.hearing.silent_for(node, self.silence_s)
-
-    async def _while_heard(
-        self, node: Node, deltas: AsyncIterator[TokenDelta]
-    ) -> AsyncIterator[TokenDelta]:
-        """`deltas`, ended with `NodeFailed` once the node has been silent for `silence_s` (or
-        its engine is stuck) while the router waits for its next delta."""
-        watch = _Watch(self, node)
-        try:
-            while True:
-                watch.armed = True
-                try:
-                    delta = await anext(deltas)
-                except StopAsyncIteration:
-                    return
-                except asyncio.CancelledError:
-                    if watch.failure is None or watch.task.uncancel():
-                        raise  # not the watch's doing (the caller left, a deadline)
-                    raise watch.failure from None
-                finally:
-                    watch.armed = False
-                self.hearing.heard(node)
-                yield delta
-        finally:
-            watch.close()

@@ -78,6 +78,8 @@ def _bounded_protocol(header_timeout_s: float, per_client: PerClient) -> type:
         429 to a client address that already holds its share of connections."""
 
         _head_timer: asyncio.TimerHandle | None = None
+        _head_by = 0.0
+        """When the request head must be in (the loop's clock)."""
         _client: str | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -107,8 +109,11 @@ def _bounded_protocol(header_timeout_s: float, per_client: PerClient) -> type:
             super().connection_lost(exc)
 
         def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(header_timeout_s, self._late)
+            """The head is due `header_timeout_s` from now: an armed timer is moved (one timer,
+            not two, for a connection's first request), else one is set."""
+            self._head_by = self.loop.time() + header_timeout_s
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_at(self._head_by, self._late)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
@@ -116,6 +121,9 @@ def _bounded_protocol(header_timeout_s: float, per_client: PerClient) -> type:
                 self._head_timer = None
 
         def _late(self) -> None:
+            if self.loop.time() < self._head_by:  # moved since it was set
+                self._head_timer = self.loop.call_at(self._head_by, self._late)
+                return
             self._head_timer = None
             if not self.transport.is_closing():
                 self.transport.close()

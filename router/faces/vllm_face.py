@@ -32,7 +32,7 @@ from pdserve_core.engine import dtype
 from pdserve_core.engine.types import CACHE_SALT_ARG, PositionLogprobs, TokenDelta
 from router.decides.retry import RESTART
 from router.errors import InvalidRequest, ModelNotFound, RequestError
-from router.faces.openai_http import Guard, add_operations, counted
+from router.faces.openai_http import GENERATION_PATHS, Guard, add_operations, counted
 from router.request import PreparedRequest, num_logprobs
 
 SUPPORTED_TASKS = ("generate",)
@@ -440,6 +440,10 @@ def front_flags(config: Any) -> list[str]:
     return [*flags, *router.vllm_args]
 
 
+def _instrumentator(cls: type) -> bool:
+    return cls.__module__.startswith("prometheus_fastapi_instrumentator.")
+
+
 async def serve_app(service: Any, config: Any, model_dir: str, served: str) -> Any:
     """`pdserve serve`'s HTTP app: vLLM's OpenAI server over `service`, with the engines' model
     settings and `router.vllm_args`, the pools' operations routes, and the guard in front
@@ -447,11 +451,16 @@ async def serve_app(service: Any, config: Any, model_dir: str, served: str) -> A
     router = config.router
     args = vllm_args(model_dir, served, front_flags(config))
     app = await build_face(lambda vllm_config: PoolsEngineClient(service, vllm_config), args)
-    app.router.routes = [
-        route for route in app.router.routes if getattr(route, "path", None) not in REPLACED_PATHS
-    ]
+    routes = [r for r in app.router.routes if getattr(r, "path", None) not in REPLACED_PATHS]
+    # each request walks the routes in order until one matches: the generation routes first
+    # (no route before them matches their paths), not past twenty others
+    first = [r for r in routes if getattr(r, "path", None) in GENERATION_PATHS]
+    app.router.routes = first + [r for r in routes if r not in first]
+    # vLLM's instrumentator times every request into vLLM's metrics registry, which the router
+    # never exposes (its /metrics is the router's registry: docs/metrics.md)
+    app.user_middleware = [m for m in app.user_middleware if not _instrumentator(m.cls)]
     add_operations(app, service, router.api_key)
-    app.middleware_stack = None  # built again at the first request, with what is added here
+    app.middleware_stack = None  # built again at the first request, with what is changed here
     app.add_middleware(
         Guard,
         service=service,

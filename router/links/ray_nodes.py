@@ -72,6 +72,9 @@ class RayNodeClient(NodeClient):
 
     async def _token_stream(self) -> TokenStream:
         """The open connection to the node's token stream, opened (again) when there is none."""
+        tokens = self._tokens
+        if tokens is not None and not tokens.broken:
+            return tokens  # the common case: no lock to take
         async with self._connecting:
             if self._tokens is None or self._tokens.broken:
                 try:

@@ -42,6 +42,7 @@ class RouterMetrics:
         the routers counts each node once)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._placement_mode = "remote"  # the watched dispatcher's (`watch`)
         self.requests = Counter(
             "pdserve_requests", "Requests by API and outcome.", ["api", "outcome"], registry=r
@@ -164,13 +165,22 @@ class RouterMetrics:
             for reason, where in DECISIONS[self._placement_mode].items():
                 self.placements.labels(where=where, reason=reason)
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, kept: each request takes the same few series again."""
+        key = (metric, values)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = metric.labels(*values)
+        return series
+
     def routed(self, route: Any) -> None:
         """One request's route (router/decides/routing.py `Route`), counted per leg and by
         reason."""
-        for pool, node in route.legs():
-            self.routed_legs.labels(pool=pool, node=node).inc()
-        computing = route.legs()[0][0]  # the prefill leg's pool, or the whole request's
-        self.expected_cached.labels(pool=computing).inc(route.cached_tokens)
+        legs = route.legs()
+        for pool, node in legs:
+            self.child(self.routed_legs, pool, node).inc()
+        computing = legs[0][0]  # the prefill leg's pool, or the whole request's
+        self.child(self.expected_cached, computing).inc(route.cached_tokens)
         if route.reason == "no_prefill_node":
             self.fallbacks.inc()
         elif route.reason == "no_decode_node":
@@ -225,7 +235,7 @@ class RequestTimer:
             self.metrics.itl.observe(seconds / count)
 
     def finished(self, outcome: str) -> None:
-        self.metrics.requests.labels(api=self.api, outcome=outcome).inc()
+        self.metrics.child(self.metrics.requests, self.api, outcome).inc()
         if self.first is None:
             return
         if not self.live:

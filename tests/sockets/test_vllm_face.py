@@ -223,3 +223,23 @@ async def test_building_the_face_leaves_the_routers_logging_alone(face):
     logs (ready, autoscale moves, node failures) would vanish."""
     before, after = face.root_levels
     assert after == before
+
+
+async def test_a_generation_request_meets_its_route_first_and_no_unread_instrumentation(face):
+    """Every request walks the route table until one matches, and vLLM's instrumentator timed
+    each into a registry the router never exposes: the generation routes lead the table (the
+    others keep vLLM's order), and the instrumentator is not in the stack."""
+    from starlette.routing import Match
+
+    from router.faces.openai_http import GENERATION_PATHS
+
+    app = face.http._transport.app
+    routes = app.router.routes
+    for path in GENERATION_PATHS:
+        scope = {"type": "http", "path": path, "method": "POST", "root_path": ""}
+        full = [i for i, route in enumerate(routes) if route.matches(scope)[0] == Match.FULL]
+        assert full and full[0] < len(GENERATION_PATHS), (path, full)
+        assert routes[full[0]].path == path
+    assert [
+        m.cls.__module__ for m in app.user_middleware if "instrumentator" in m.cls.__module__
+    ] == []
