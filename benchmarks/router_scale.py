@@ -28,6 +28,9 @@ pinned to one core, twice:
 - `vllm-null-core`: the same fake steps answered in the server's own process (`NullCore`, in
   place of vLLM's engine core client), so the ZMQ hop is not paid: a floor no deployment runs.
 The same phases, the same client; CPU is the API server process's alone, as it is the routers'.
+Both run on asyncio's own event loop: `vllm serve` runs its server on uvloop, which made vLLM's
+server (and the router) slower on this benchmark (results/bench/router-scale/README.md), so the
+baseline is the faster of the two for vLLM.
 Writes
 results/bench/router-scale/<cpu>-<cores>c.json:
     python benchmarks/router_scale.py [--routers 1 2 4] [--seconds 8] [--no-vllm]
