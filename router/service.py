@@ -153,7 +153,7 @@ class RouterService:
 
     def rejected(self, api: str, error: RequestError) -> None:
         """Count a request refused before it was admitted (bad input, auth, full, no pool)."""
-        self.metrics.requests.labels(api=api, outcome=error.kind).inc()
+        self.metrics.child(self.metrics.requests, api, error.kind).inc()
 
     def _on_retry(self, error: NodeFailed) -> None:
         self.metrics.retries.labels(pool=error.pool or "unknown").inc()
