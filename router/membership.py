@@ -88,14 +88,15 @@ class Membership:
             return
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                healthy = await node.client.check_health()
+                # what any router's requests left there, read with the health and the stats
+                seen = node.blocks_seen if self.prefix_aware else None
+                healthy, node.stats, blocks = await node.client.checkup(seen)
                 self.pool.hearing.heard(node)
-                node.stats = await node.client.stats()
                 node.reported = True
                 held = node.stats.running + node.stats.waiting
                 node.elsewhere = max(0, held - node.outstanding)
-                if self.prefix_aware:  # what any router's requests left there
-                    node.blocks_seen, logged = await node.client.prefix_blocks(node.blocks_seen)
+                if blocks is not None:
+                    node.blocks_seen, logged = blocks
                     for hashes in logged:
                         node.prefixes.record_blocks(node.info, hashes)
                 node.history.append((clock.now(), counters(node.stats)))

@@ -487,6 +487,15 @@ class EngineActor:
         reads it with its health checks: router/decides/prefixes.py)."""
         return self._blocks.since(seen)
 
+    async def checkup(
+        self, seen: int | None
+    ) -> tuple[bool, NodeStats, tuple[int, list[list[int]]] | None]:
+        """A router's health check in one call: `check_health`, `stats`, and `prefix_blocks`
+        from `seen` unless it is None (a router that does not route by prefix)."""
+        healthy = await self.check_health()
+        blocks = None if seen is None else self._blocks.since(seen)
+        return healthy, await self.stats(), blocks
+
     async def step_records(self, seen: int = 0) -> dict[str, Any]:
         """The engine's recent steps after the first `seen` (each [prompt tokens, prompt
         sequences, decode tokens, decode sequences, context tokens, seconds]), with what a fit

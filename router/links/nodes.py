@@ -18,6 +18,10 @@ from pdserve_core.engine.types import NodeInfo, NodeStats, TokenDelta
 from router import clock
 from router.decides.prefixes import NodePrefixes
 
+Checkup = tuple[bool, NodeStats, tuple[int, list[list[int]]] | None]
+"""A health check's answers in one (`NodeClient.checkup`): whether the engine is up, the node's
+stats, and its block log's new entries (None when not asked)."""
+
 STATS_HISTORY = 120
 """Stats samples kept per node (two minutes at the 1 s health-check interval)."""
 
@@ -49,6 +53,14 @@ class NodeClient(ABC):
         (pdserve_core/engine/blocks.py): (where to ask from next, the entries). A node that
         keeps no log has none."""
         return seen, []
+
+    async def checkup(self, seen: int | None) -> Checkup:
+        """One health check's answers: `check_health`, `stats` and, unless `seen` is None,
+        `prefix_blocks(seen)`. A node reached over a link answers all three in one call."""
+        healthy = await self.check_health()
+        stats = await self.stats()
+        blocks = None if seen is None else await self.prefix_blocks(seen)
+        return healthy, stats, blocks
 
     async def give_back(self, handle: dict[str, Any]) -> bool:
         """Free the KV a prefill leg of this node left under `handle`: no decode leg will read

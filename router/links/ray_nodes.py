@@ -25,7 +25,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from pdserve_core.engine.legs import Leg
 from pdserve_core.engine.types import EngineDown, NodeInfo, NodeStats, TokenDelta
 from router.errors import NodeFailed
-from router.links.nodes import NodeClient
+from router.links.nodes import Checkup, NodeClient
 from router.links.token_stream import CONNECT_S, TokenStream
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,9 @@ class RayNodeClient(NodeClient):
 
     async def prefix_blocks(self, seen: int) -> tuple[int, list[list[int]]]:
         return await self._call("prefix_blocks", seen)
+
+    async def checkup(self, seen: int | None) -> Checkup:
+        return await self._call("checkup", seen)
 
     async def shutdown(self) -> None:
         if self._tokens is not None:

@@ -261,9 +261,11 @@ def new_pool(
     )
 
 
-def membership(pool: Pool, stall_s: float = ROUTER.engine_stall_s) -> Membership:
-    """The health checks of `pool`, with the config's stall bound unless told."""
-    return Membership(pool, stall_s=stall_s, prefix_aware=ROUTER.prefix_aware)
+def membership(
+    pool: Pool, stall_s: float = ROUTER.engine_stall_s, prefix_aware: bool = ROUTER.prefix_aware
+) -> Membership:
+    """The health checks of `pool`, with the config's settings unless told."""
+    return Membership(pool, stall_s=stall_s, prefix_aware=prefix_aware)
 
 
 def pool(

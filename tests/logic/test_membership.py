@@ -98,6 +98,41 @@ async def test_a_dead_actor_leaves_at_once_and_a_slow_one_after_three_misses():
         assert slow.nodes[0].healthy is expected
 
 
+async def test_a_health_check_is_one_call_to_the_node_with_its_stats_and_block_log():
+    """Each check asks the node once (`checkup`): over Ray three calls a second per node were
+    three wake-ups of the node's actor and the router's; the block log only when routing by
+    prefix."""
+    from pdserve_core.engine.types import NodeStats
+
+    class OneCall(NodeClient):
+        def __init__(self):
+            self.asked = []
+
+        async def checkup(self, seen):
+            self.asked.append(seen)
+            blocks = None if seen is None else (seen + 1, [[11, 12]])
+            return True, NodeStats(running=2, max_num_seqs=64), blocks
+
+        async def check_health(self):  # pragma: no cover
+            raise AssertionError("asked apart from the checkup")
+
+        stats = start = check_health
+
+        def stream(self, *args):  # pragma: no cover
+            raise AssertionError
+
+    for prefix_aware, expected in ((True, [0, 1]), (False, [None, None])):
+        decode = pool("decode", FakeNode("d0"))
+        node = decode.nodes[0]
+        node.client = client = OneCall()
+        checks = membership(decode, prefix_aware=prefix_aware)
+        await checks.refresh(node)
+        await checks.refresh(node)
+        assert client.asked == expected
+        assert node.healthy and node.stats.running == 2 and node.elsewhere == 2
+        assert node.blocks_seen == (2 if prefix_aware else 0)
+
+
 # ---- silent nodes: a cut link or a vanished host, long before Ray says so ----------------------
 
 
