@@ -44,6 +44,7 @@ from pdserve_core.engine.text import ContinuedText
 from pdserve_core.engine.types import (
     CACHE_SALT_ARG,
     OUTPUT_START_ARG,
+    Checkup,
     EngineDown,
     NodeInfo,
     NodeStats,
@@ -487,9 +488,7 @@ class EngineActor:
         reads it with its health checks: router/decides/prefixes.py)."""
         return self._blocks.since(seen)
 
-    async def checkup(
-        self, seen: int | None
-    ) -> tuple[bool, NodeStats, tuple[int, list[list[int]]] | None]:
+    async def checkup(self, seen: int | None) -> Checkup:
         """A router's health check in one call: `check_health`, `stats`, and `prefix_blocks`
         from `seen` unless it is None (a router that does not route by prefix)."""
         healthy = await self.check_health()

@@ -214,3 +214,8 @@ class NodeStats:
         else:
             self.queue_time_overflow += 1
         self.queue_time_sum += seconds
+
+
+Checkup = tuple[bool, NodeStats, tuple[int, list[list[int]]] | None]
+"""A router's health check answered in one call (the engine actor's `checkup`): whether the
+engine is up, the node's stats, and its block log's new entries (None when not asked)."""

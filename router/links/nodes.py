@@ -14,13 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_core.engine.legs import Leg
-from pdserve_core.engine.types import NodeInfo, NodeStats, TokenDelta
+from pdserve_core.engine.types import Checkup, NodeInfo, NodeStats, TokenDelta
 from router import clock
 from router.decides.prefixes import NodePrefixes
-
-Checkup = tuple[bool, NodeStats, tuple[int, list[list[int]]] | None]
-"""A health check's answers in one (`NodeClient.checkup`): whether the engine is up, the node's
-stats, and its block log's new entries (None when not asked)."""
 
 STATS_HISTORY = 120
 """Stats samples kept per node (two minutes at the 1 s health-check interval)."""

@@ -23,9 +23,9 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pdserve_core.engine.legs import Leg
-from pdserve_core.engine.types import EngineDown, NodeInfo, NodeStats, TokenDelta
+from pdserve_core.engine.types import Checkup, EngineDown, NodeInfo, NodeStats, TokenDelta
 from router.errors import NodeFailed
-from router.links.nodes import Checkup, NodeClient
+from router.links.nodes import NodeClient
 from router.links.token_stream import CONNECT_S, TokenStream
 
 logger = logging.getLogger(__name__)
