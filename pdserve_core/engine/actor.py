@@ -183,7 +183,7 @@ class EngineActor:
         self._build: asyncio.Future | None = None
         """The engine's build under way, or the one that made the engine serving now."""
         self._stats = NodeStats()
-        self._collector = StatsCollector(self._stats)
+        self._collector = StatsCollector(self._stats, name)
         self._gpu: GpuSampler | None = None
         self._max_num_batched_tokens = 0
         self._blocks = BlockLog()

@@ -26,14 +26,28 @@ RECENT_FAILURES = 1000
 """Failed KV pulls remembered per engine (the decode node looks a request's reason up)."""
 STEP_RECORDS = 8192
 """Recent steps each engine keeps for `pdserve plan calibrate` (GET /pdserve/v1/steps)."""
+STALL_S = 0.5
+"""A stall: a step that took this much longer than its model predicts and `STALL_FACTOR` times
+as long, or this long between two steps' outputs with requests running (the engine, or the
+actor that relays its outputs, stopped). Every stream on the engine stops for it; a long
+prompt's step that is merely long is not one (its model predicts it)."""
+STALL_FACTOR = 3.0
+STALL_FACTOR_ROOFLINE = 10.0
+"""The factor where the step model is the roofline's guess, not a calibration: on a 2-core CPU
+(1P1D, long prompts among streams) it priced the steps at a third to a quarter of their time
+(measured 2.6× the prediction on decode, 3.6× on prefill; a calibration 1.2×)."""
+STALL_LOG_EVERY_S = 10.0
+"""At most one warning per engine this often (the ones between are counted into the next)."""
 
 
 class StatsCollector:
     """Folds vLLM's per-step stats into `NodeStats` (wrapped as a vLLM stat logger by
     `stat_logger_factory`). `model` enables the utilization estimate once the engine knows it."""
 
-    def __init__(self, stats: NodeStats) -> None:
+    def __init__(self, stats: NodeStats, name: str = "engine") -> None:
         self.stats = stats
+        self.name = name
+        """The node's name, in the stall warnings."""
         self.model: ModelSpec | None = None
         self.step_model: StepModel | None = None
         """Predicts each step's time (the live predicted/measured step-time series)."""
@@ -45,6 +59,8 @@ class StatsCollector:
         self.clock = time.monotonic
         self._busy_end: float | None = None
         """When the last step was reported, if it left requests running (the next one follows)."""
+        self._stall_logged = float("-inf")
+        self._stalls_unlogged = 0
 
     def set_peaks(self, peaks: Peaks) -> None:
         self.stats.peak_flops = peaks.flops
@@ -110,6 +126,8 @@ class StatsCollector:
         )
         self.steps.append(record)
         self.steps_seen += 1
+        if gap is not None and gap > STALL_S:  # the outputs of the step before came this late
+            self._stall(gap, "between two steps", record, None)
         if self.model is None:
             return
         cost = step_cost(
@@ -129,7 +147,35 @@ class StatsCollector:
             self.stats.peak_flops = max(self.stats.peak_flops, flops / seconds)
             self.stats.peak_mem_bandwidth = max(self.stats.peak_mem_bandwidth, cost.bytes / seconds)
         if self.step_model is not None:
-            self.stats.predicted_busy_seconds_total += self.step_model.cost_seconds(cost)
+            predicted = self.step_model.cost_seconds(cost)
+            self.stats.predicted_busy_seconds_total += predicted
+            factor = STALL_FACTOR_ROOFLINE if self.step_model.source == "roofline" else STALL_FACTOR
+            if seconds - predicted > STALL_S and seconds > factor * predicted:
+                self._stall(seconds - predicted, f"in a step of {seconds:.2f} s", record, predicted)
+
+    def _stall(self, seconds: float, where: str, record: StepRecord, predicted: float | None):
+        """Count a stall of `seconds` and warn of it (at most every `STALL_LOG_EVERY_S`)."""
+        self.stats.stalls_total += 1
+        self.stats.stall_seconds_total += seconds
+        self._stalls_unlogged += 1
+        now = self.clock()
+        if now - self._stall_logged < STALL_LOG_EVERY_S:
+            return
+        expected = "" if predicted is None else f"; its model predicts {predicted:.2f} s"
+        logger.warning(
+            "%s: every stream stopped %.2f s %s (prompt tokens %d of %d requests, decode tokens "
+            "%d of %d%s); %d stall(s) since the last warning",
+            self.name,
+            seconds,
+            where,
+            record.prompt_tokens,
+            record.prompt_sequences,
+            record.decode_tokens,
+            record.decode_sequences,
+            expected,
+            self._stalls_unlogged,
+        )
+        self._stall_logged, self._stalls_unlogged = now, 0
 
 
 def stat_logger_factory(collector: StatsCollector):

@@ -177,6 +177,12 @@ class NodeStats:
     predicted_busy_seconds_total: float = 0.0
     """What the node's step-time model predicts those steps cost
     (pdserve_core.roofline.stepmodel)."""
+    stalls_total: int = 0
+    """Times every stream here stopped for a stall (`pdserve_core.engine.stats.STALL_S`): a
+    step far longer than its model predicts, or the engine idle between steps with requests
+    running."""
+    stall_seconds_total: float = 0.0
+    """Those stalls' time past what the model predicts (between steps: all of it)."""
     step_model_source: str = ""
     """"roofline" (no calibration for this device and model) or "calibrated:<file>"."""
     device: str = ""

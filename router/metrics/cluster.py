@@ -138,6 +138,14 @@ class _NodeFamilies:
             "pdserve_node_load_ratio", "Demand / capacity (see router/metrics/balance.py)."
         )
         self.steps = counter("pdserve_node_engine_steps", "Engine steps that computed tokens.")
+        self.stalls = counter(
+            "pdserve_node_engine_stalls",
+            "Times every stream on the node stopped: a step far past its model, or a pause "
+            "between steps with requests running (pdserve_core/engine/stats.py, STALL_S).",
+        )
+        self.stall_seconds = counter(
+            "pdserve_node_engine_stall_seconds", "Those stalls' time past the model's prediction."
+        )
         self.predicted_busy = counter(
             "pdserve_node_predicted_busy_seconds",
             "What the node's step-time model predicts its steps cost (calibrated or roofline).",
@@ -242,6 +250,8 @@ class _NodeFamilies:
         self.busy.add_metric(key, stats.busy_seconds_total)
         self.prompt_busy.add_metric(key, stats.prompt_busy_seconds_total)
         self.steps.add_metric(key, stats.busy_steps_total)
+        self.stalls.add_metric(key, stats.stalls_total)
+        self.stall_seconds.add_metric(key, stats.stall_seconds_total)
         if stats.step_model_source:
             model = stats.step_model_source.split(":", 1)[0]
             self.predicted_busy.add_metric([*key, model], stats.predicted_busy_seconds_total)

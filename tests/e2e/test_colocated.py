@@ -18,6 +18,8 @@ from tests.e2e.conftest import (
     CHAT,
     assert_greedy_matches_plain_vllm,
     assert_rejected,
+    metric,
+    metric_reaching,
     stop_and_check_nothing_left,
 )
 
@@ -134,6 +136,43 @@ def test_the_log_tells_requests_not_engine_steps(client, server):
         f"{lines() - before} log lines for 128 engine steps:\n"
         + "\n".join(server.log.read_text(errors="replace").splitlines()[before:][:10])
     )
+
+
+def test_an_engine_that_stops_is_counted_and_told_as_a_stall(server):
+    """The engine's worker stopped (SIGSTOP) for 1.2 s mid-stream, as a stalled host or a
+    blocked step would stop it: the stream still ends whole, and the node's stall counter and the
+    server's log say that every stream on it stopped, and for how long."""
+    import psutil
+
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    actor = psutil.Process(health["pools"]["colocated"]["nodes"][0]["pid"])
+    worker = next(p for p in actor.children(recursive=True) if "VLLM::Worker" in p.name())
+    before = metric(server, "pdserve_node_engine_stalls_total")
+    body = {"model": server.model, "prompt": "Tell me a story", "max_tokens": 96}
+    body |= {"ignore_eos": True, "stream": True, "return_token_ids": True}
+    got, ended = [0], [None]
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                    got[0] += len(choice["token_ids"] or ())
+                    ended[0] = choice["finish_reason"] or ended[0]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert _poll(lambda: got[0] >= 8, 60), got
+    worker.suspend()
+    try:
+        time.sleep(1.2)  # the fault's length: nothing to wait for
+    finally:
+        worker.resume()
+    thread.join(timeout=120)
+    assert got[0] == body["max_tokens"] and ended[0] == "length"
+    assert metric_reaching(server, "pdserve_node_engine_stalls_total", before + 1) >= before + 1
+    assert metric(server, "pdserve_node_engine_stall_seconds_total") >= 1.0
+    assert _poll(lambda: "every stream stopped" in server.log.read_text(errors="replace"), 10)
 
 
 def test_each_router_serves_the_one_node(server):

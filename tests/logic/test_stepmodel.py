@@ -4,6 +4,7 @@ engines' step records and the live predicted/measured series."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import replace
 
@@ -20,7 +21,13 @@ from pdserve.planner.plan import (
     calibrated_prefill,
     decode_batch_at_rate,
 )
-from pdserve_core.engine.stats import STEP_RECORDS, StatsCollector
+from pdserve_core.engine.stats import (
+    STALL_FACTOR,
+    STALL_LOG_EVERY_S,
+    STALL_S,
+    STEP_RECORDS,
+    StatsCollector,
+)
 from pdserve_core.engine.types import NodeStats
 from pdserve_core.roofline import model as rf
 from pdserve_core.roofline.specs import DEVICES, PRESETS
@@ -244,6 +251,52 @@ def test_collector_keeps_step_records_and_prices_them():
     assert [row[:6] for row in newest] == [[0, 0, 1, 1, 300, 0.03]] * 3
 
 
+def test_a_stall_is_counted_and_told_once_a_long_prompt_is_not(caplog):
+    """Every stream on an engine stops while a step runs far past its model or while nothing
+    runs between two steps: counted in the node's stats (exported), warned of at most every
+    `STALL_LOG_EVERY_S` with the step's make-up. A long prompt's step the model predicts is no
+    stall, however long."""
+    stats = NodeStats()
+    collector = StatsCollector(stats, "decode-0")
+    collector.model = SMOL
+    collector.set_step_model(TRUE)
+    decode = TRUE.seconds(SMOL, 0, 0, 8, 8, 0)
+    prompt = TRUE.seconds(SMOL, 2000, 1, 0, 0, 0)
+    assert prompt > STALL_S + decode  # (the model prices a long prompt's step long)
+    t = [100.0]
+    collector.clock = lambda: t[0]
+
+    def step(seconds, prompt_tokens=0, after=0.0):
+        t[0] += after + seconds
+        details = _details(prompt_tokens, 1 if prompt_tokens else 0, 8, 8, seconds * 1e3)
+        collector.record(_scheduler(details), None)
+
+    with caplog.at_level(logging.WARNING, logger="pdserve_core.engine.stats"):
+        step(decode)
+        step(prompt, prompt_tokens=2000)  # as long as its model says: no stall
+        step(decode, after=0.01)
+        assert stats.stalls_total == 0 and not caplog.records
+        step(decode + 1.2)  # the step itself stopped every stream
+        assert stats.stalls_total == 1
+        assert stats.stall_seconds_total == pytest.approx(1.2)
+        step(decode, after=0.8)  # the engine sat 0.8 s between steps, requests running
+        assert stats.stalls_total == 2
+        assert stats.stall_seconds_total == pytest.approx(2.0)
+        t[0] += STALL_LOG_EVERY_S
+        step(decode, after=0.7)
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 2, told  # the second stall came within the warning's period
+    assert "decode-0" in told[0] and "1.20 s in a step" in told[0] and "predicts" in told[0]
+    assert "between two steps" in told[1] and "2 stall(s)" in told[1]
+    collector.set_step_model(replace(TRUE, source="roofline"))  # no calibration here
+    step(prompt * (STALL_FACTOR + 1), prompt_tokens=2000)
+    assert stats.stalls_total == 3  # the roofline's guess of a step is not trusted that far
+    step(decode + 1.2)
+    assert stats.stalls_total == 4  # but a step 40 times as long as it is
+    step(decode, after=0.8)
+    assert stats.stalls_total == 5  # a pause between steps is a stall whatever the model
+
+
 def _history(t, busy, predicted, steps, prompt_busy=0.0):
     return (
         t,
@@ -269,6 +322,8 @@ def test_window_step_times_and_the_exported_series():
             predicted_busy_seconds_total=predicted,
             busy_steps_total=100,
             step_model_source=source,
+            stalls_total=3,
+            stall_seconds_total=2.5,
         )
         n.history.extend([_history(0, 0, 0, 0), _history(10, busy, predicted, 100)])
         return n
@@ -298,6 +353,8 @@ def test_window_step_times_and_the_exported_series():
         "pdserve_node_predicted_busy_seconds_total", pool="prefill", node="p0", model="calibrated"
     ) == pytest.approx(5.0)
     assert value("pdserve_node_engine_steps_total", pool="decode", node="d0") == 100
+    assert value("pdserve_node_engine_stalls_total", pool="decode", node="d0") == 3
+    assert value("pdserve_node_engine_stall_seconds_total", pool="decode", node="d0") == 2.5
     assert value("pdserve_pool_calibrated_busy_ratio", pool="prefill") == pytest.approx(0.5)
     assert value("pdserve_pool_cost_pressure_ratio", pool="decode") == pytest.approx(0.01 / 0.1)
     assert value("pdserve_pool_balance_cost_ratio") == pytest.approx(0.5 / 0.1)
