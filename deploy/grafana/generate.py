@@ -322,6 +322,22 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 "the prefill pool is the bottleneck (router/metrics/balance.py). What the "
                 "autoscaler reads (router/decides/autoscale.py).",
             ),
+            Panel(
+                "Engine stalls: time every stream stood still",
+                [
+                    (
+                        f"rate(pdserve_node_engine_stall_seconds_total[{RATE}])",
+                        "{{pool}} {{node}}",
+                    )
+                ],
+                unit="percentunit",
+                description="Steps far past the step-time model, or pauses between steps with "
+                "requests running, half a second or more each (pdserve_core/engine/stats.py); "
+                "each is in the node's log, 'every stream stopped'. Alert: "
+                "PdserveEngineStalls above 2%.",
+                width=24,
+                thresholds=[(0, "green"), (0.02, "orange")],
+            ),
         ],
     ),
 ]
