@@ -37,6 +37,7 @@ from typing import Any
 from pdserve_core.engine import budget
 from pdserve_core.engine.actor import EngineActor
 from pdserve_core.engine.legs import Decode, leg_params
+from pdserve_core.engine.stats import LogEvery
 from pdserve_core.engine.types import KVLoadFailed, TokenDelta
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,11 @@ def decode_params(params: Any, handle: dict[str, Any], first_tokens: int) -> Any
 
 class DecodeNode(EngineActor):
     ROLE = "decode"
-    _recompute_logged = float("-inf")
-    """When the last "KV did not cross" line was logged (monotonic)."""
-    _recomputes_unlogged = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._recompute_log = LogEvery(RECOMPUTE_LOG_EVERY_S)
+        """Lets a "KV did not cross" line through at most every `RECOMPUTE_LOG_EVERY_S`."""
 
     def handler(self, leg: Any) -> Callable[[Any], AsyncIterator[TokenDelta]]:
         return self.decode if type(leg) is Decode else super().handler(leg)
@@ -112,16 +115,13 @@ class DecodeNode(EngineActor):
             f"request {leg.request_id}: {what} (KV transport {handle.get('transport', '?')}, "
             f"from {source})"
         )
-        self._recomputes_unlogged += 1
-        now = time.monotonic()
-        if now - self._recompute_logged >= RECOMPUTE_LOG_EVERY_S:
+        if recomputes := self._recompute_log.count(time.monotonic()):
             logger.warning(
                 "%s: KV did not cross for %d hand-over(s) since the last report; last: %s",
                 self._name,
-                self._recomputes_unlogged,
+                recomputes,
                 stats.last_recompute,
             )
-            self._recompute_logged, self._recomputes_unlogged = now, 0
 
     async def prefetch(
         self, key: str, host: str, ports: list[int], num_tokens: int, block_size: int

@@ -40,6 +40,25 @@ STALL_LOG_EVERY_S = 10.0
 """At most one warning per engine this often (the ones between are counted into the next)."""
 
 
+class LogEvery:
+    """Counts events and lets one log line through per `period_s`, telling how many events it
+    covers (a node's stalls; a decode node's hand-overs whose KV did not cross)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._logged = float("-inf")
+        self._unlogged = 0
+
+    def count(self, now: float) -> int:
+        """Count one event at `now` (monotonic): the events since the last line, this one
+        included, when a line is due; else 0."""
+        self._unlogged += 1
+        if now - self._logged < self.period_s:
+            return 0
+        unlogged, self._unlogged, self._logged = self._unlogged, 0, now
+        return unlogged
+
+
 class StatsCollector:
     """Folds vLLM's per-step stats into `NodeStats` (wrapped as a vLLM stat logger by
     `stat_logger_factory`). `model` enables the utilization estimate once the engine knows it."""
@@ -59,8 +78,7 @@ class StatsCollector:
         self.clock = time.monotonic
         self._busy_end: float | None = None
         """When the last step was reported, if it left requests running (the next one follows)."""
-        self._stall_logged = float("-inf")
-        self._stalls_unlogged = 0
+        self._stall_log = LogEvery(STALL_LOG_EVERY_S)
 
     def set_peaks(self, peaks: Peaks) -> None:
         self.stats.peak_flops = peaks.flops
@@ -157,9 +175,8 @@ class StatsCollector:
         """Count a stall of `seconds` and warn of it (at most every `STALL_LOG_EVERY_S`)."""
         self.stats.stalls_total += 1
         self.stats.stall_seconds_total += seconds
-        self._stalls_unlogged += 1
-        now = self.clock()
-        if now - self._stall_logged < STALL_LOG_EVERY_S:
+        stalls = self._stall_log.count(self.clock())
+        if not stalls:
             return
         expected = "" if predicted is None else f"; its model predicts {predicted:.2f} s"
         logger.warning(
@@ -173,9 +190,8 @@ class StatsCollector:
             record.decode_tokens,
             record.decode_sequences,
             expected,
-            self._stalls_unlogged,
+            stalls,
         )
-        self._stall_logged, self._stalls_unlogged = now, 0
 
 
 def stat_logger_factory(collector: StatsCollector):
