@@ -51,6 +51,7 @@ from pdserve_core.engine.types import (
     RequestRejected,
     TokenDelta,
 )
+from pdserve_core.engine.worker import QUALNAME as WORKER_EXTENSION
 from pdserve_core.kv.stats import KVGauges
 from pdserve_core.roofline.live import resolve_peaks
 from pdserve_core.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
@@ -139,11 +140,10 @@ def engine_kwargs(
         kwargs["block_size"] = engine.block_size
     if engine.reasoning_parser:
         kwargs["reasoning_parser"] = engine.reasoning_parser
+    # the actor's word reaches the workers: the KV connector's methods, the warm-up
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION
     if kv_transfer:
-        from pdserve_core.kv.worker_extension import QUALNAME
-
         kwargs["kv_transfer_config"] = kv_transfer
-        kwargs["worker_extension_cls"] = QUALNAME  # the router's word reaches the connector
     return kwargs
 
 
@@ -235,6 +235,7 @@ class EngineActor:
         vllm_config = self._engine.vllm_config
         self._block_size = vllm_config.cache_config.block_size
         self._start_utilization(vllm_config)
+        await self._warm_sampler()
         info = NodeInfo(
             name=self._name,
             pid=os.getpid(),
@@ -247,6 +248,23 @@ class EngineActor:
         )
         logger.info("engine %s ready in %.1f s", self._name, info.start_s)
         return info
+
+    async def _warm_sampler(self) -> None:
+        """Compile the sampler's logprob kernel before the node serves (the workers'
+        `pdserve_warm_sampler`), not at the first request with logprobs, with every stream on
+        the engine waiting for it. A warm-up that fails costs that wait later, not the node."""
+        try:
+            seconds = await self._engine.collective_rpc("pdserve_warm_sampler")
+        except Exception as error:  # vLLM's sampler changed: it compiles at the first logprobs
+            logger.warning(
+                "%s: the sampler's warm-up failed (%s: %s); the first request with logprobs "
+                "will compile it, every stream here waiting",
+                self._name,
+                type(error).__name__,
+                error,
+            )
+            return
+        logger.info("%s: sampler's logprob kernel compiled in %.1f s", self._name, max(seconds))
 
     async def _kv_endpoint(self) -> dict[str, Any]:
         """The KV connector's endpoint for NodeInfo: KV server address and ports (a producer),

@@ -1,6 +1,7 @@
-"""Methods vLLM adds to each of an engine's workers (`worker_extension_cls`), which the node's
-actor reaches with `AsyncLLM.collective_rpc(name, ...)`: what the connector's worker half can do
-at the router's word, outside any request's steps."""
+"""The KV connector's methods on each of an engine's workers (part of vLLM's
+`worker_extension_cls`, pdserve_core/engine/worker.py), which the node's actor reaches with
+`AsyncLLM.collective_rpc(name, ...)`: what the connector's worker half can do at the router's
+word, outside any request's steps. On an engine without a connector they find none."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import logging
 from pdserve_core.kv.handle import PREFETCH_KEY, prefetch_key
 
 logger = logging.getLogger(__name__)
-
-QUALNAME = "pdserve_core.kv.worker_extension.KVWorkerExtension"
-"""What `engine_kwargs` passes vLLM as `worker_extension_cls`."""
 
 
 def _half(name: str):
