@@ -496,6 +496,7 @@ class EngineActor:
         stats.running = stats.waiting = 0
         stats.kv_cache_usage = 0.0
         stats.kv.gauges = KVGauges()
+        self._collector.engine_gone()
         try:
             engine.shutdown()
         except Exception as error:  # it is dead already; its processes are reaped with it

@@ -89,6 +89,11 @@ class StatsCollector:
         self.step_model = step_model
         self.stats.step_model_source = step_model.source
 
+    def engine_gone(self) -> None:
+        """The engine was dropped (dead or stuck) for a rebuild: the requests it had running
+        ended with it, so the next engine's first step does not end a pause between steps."""
+        self._busy_end = None
+
     def records_since(self, seen: int) -> tuple[int, list[list]]:
         """(steps recorded so far, the kept records after the first `seen` of them)."""
         kept_from = self.steps_seen - len(self.steps)

@@ -295,6 +295,9 @@ def test_a_stall_is_counted_and_told_once_a_long_prompt_is_not(caplog):
     assert stats.stalls_total == 4  # but a step 40 times as long as it is
     step(decode, after=0.8)
     assert stats.stalls_total == 5  # a pause between steps is a stall whatever the model
+    collector.engine_gone()  # its engine died with requests running and is built again
+    step(decode, after=20.0)
+    assert stats.stalls_total == 5  # the new engine's first step is no pause after the old's
 
 
 def _history(t, busy, predicted, steps, prompt_busy=0.0):
