@@ -5,6 +5,7 @@ on loopback from one registered CPU cache into the other, every byte compared.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,19 @@ PEER = REPO / "tests/helpers/nixl_peer.py"
 BLOCK_BYTES = HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ucx_environment():
+    """UCX's variables restored as they were once the module ends: a plane made here puts its
+    settings into this process's environment (as it must before UCX starts), and engines that
+    later tests start from this process would inherit them (an mlx5 device left there: no route
+    on loopback, the engine fails to start)."""
+    before = {name: value for name, value in os.environ.items() if name.startswith("UCX_")}
+    yield
+    for name in [name for name in os.environ if name.startswith("UCX_")]:
+        del os.environ[name]
+    os.environ.update(before)
+
+
 def caches(seed: int | None) -> dict[str, torch.Tensor]:
     return cpu_caches(LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM, seed)
 
@@ -44,8 +58,6 @@ class Peer:
     """The producer process and its commands."""
 
     def __init__(self, **env: str) -> None:
-        import os
-
         self.process = subprocess.Popen(
             [sys.executable, str(PEER)],
             stdin=subprocess.PIPE,
@@ -187,7 +199,8 @@ def test_a_peer_that_stops_mid_read_fails_the_pull_at_its_deadline_and_a_dead_on
 
 
 def test_ucx_settings_reach_the_environment_before_ucx_starts(monkeypatch):
-    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    for name in ("UCX_TCP_TX_SEG_SIZE", "UCX_NET_DEVICES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "128k")
     monkeypatch.setenv("UCX_TLS", "all")
     chosen = apply_ucx_env({"TLS": "rc,cuda_copy", "UCX_NET_DEVICES": "mlx5_0:1"})
@@ -197,8 +210,6 @@ def test_ucx_settings_reach_the_environment_before_ucx_starts(monkeypatch):
         "UCX_NET_DEVICES": "mlx5_0:1",
     }  # UCX_TCP_RX_SEG_SIZE: the environment's 128k stays
     ipc = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-    monkeypatch.setenv(ipc, "restored after the test")
-    monkeypatch.delenv(ipc)
     assert ipc not in apply_ucx_env({})  # a cache in host memory: no GPU defaults
     assert apply_ucx_env({}, gpu=True)[ipc] == "y"  # a GPU cache: READs over CUDA IPC
     assert apply_ucx_env({"CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, gpu=True)[ipc] == "n"  # config wins
