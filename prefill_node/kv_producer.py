@@ -171,6 +171,7 @@ class ProducerWorker:
     ) -> None:
         self.table = ProducerTable()
         self.stats = stats
+        self._lease_s = settings.lease_s
         self.progress = WriteProgress(plane.layout.num_layers, _device_event(plane))
         self._layer_index = {name: index for index, name in enumerate(plane.layer_names)}
         port = settings.port + tp_rank if settings.port else 0
@@ -215,6 +216,15 @@ class ProducerWorker:
         lease's end (`ProducerTable.abandon`)."""
         self.table.abandon(request_id, lease_deadline)
         logger.info("KV of %s given back by the router (no decode will read it)", request_id)
+
+    def give_back_leg(self, leg_id: str) -> int:
+        """The router stopped the prefill leg `leg_id` before its end: whatever the engine kept
+        for it, or keeps a step later, goes now (`ProducerTable.abandon_leg`). Returns the
+        offers freed now."""
+        freed = self.table.abandon_leg(leg_id, time.time() + self._lease_s)
+        if freed:
+            logger.info("KV of prefill leg %s given back: the router stopped the leg", leg_id)
+        return freed
 
     def finished_sending(self) -> set[str]:
         """Offers read to the end or expired: vLLM may free their blocks now."""

@@ -17,6 +17,11 @@ the deadline the lease itself is refused).
 4. The router may `abandon` an offer nobody will read (its client left between the prefill and
    the decode leg): it is done at once — freed at the next collection, or when the pull reading
    it ends. An abandon that outruns the offer is remembered until the offer comes.
+5. The prefill node may `abandon_leg` when the router stopped a prefill leg before its end (the
+   client left, or its deadline passed): the router never got the handle and cannot give it
+   back, yet vLLM may have finished the prefill and kept its KV an instant before. The engine
+   knows the request by the leg's id plus a suffix of its own (`of_leg`); whatever it kept for
+   that leg is abandoned, now or when its offer comes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,19 @@ SETTLED_GRACE_S = 60.0
 """How long past its deadline a settled request is remembered (a late pull hears "expired")."""
 MAX_ABANDONED = 4096
 """Abandons remembered for offers not yet heard of (each until its lease's deadline)."""
+
+
+ENGINE_SUFFIX_LEN = 8
+"""vLLM's engine names a request `<id>-<8 random hex digits>` (or `<id>` with its request id
+randomization turned off)."""
+
+
+def of_leg(request_id: str, leg_id: str) -> bool:
+    """Whether the engine's request `request_id` is the one vLLM made of the leg `leg_id`."""
+    if request_id == leg_id:
+        return True
+    head, dash, tail = request_id.rpartition("-")
+    return bool(dash) and head == leg_id and len(tail) == ENGINE_SUFFIX_LEN
 
 
 class ClaimError(Exception):
@@ -61,6 +79,8 @@ class ProducerTable:
         """Request id -> (its lease expired, its deadline), kept until past the deadline."""
         self._abandoned: dict[str, float] = {}
         """Request id -> its lease's deadline, for abandons that came before the offer."""
+        self._abandoned_legs: dict[str, float] = {}
+        """Leg id -> until when an offer of it is abandoned on arrival."""
         self._cond = threading.Condition()
         self.leases_expired = 0
 
@@ -69,7 +89,9 @@ class ProducerTable:
     ) -> None:
         with self._cond:
             if request_id not in self._offers and request_id not in self._settled:
-                reads = 0 if self._abandoned.pop(request_id, None) is not None else readers
+                abandoned = self._abandoned.pop(request_id, None) is not None
+                abandoned |= self._leg_abandoned(request_id)
+                reads = 0 if abandoned else readers
                 self._offers[request_id] = _Offer(tuple(block_ids), deadline, reads)
             self._cond.notify_all()
 
@@ -82,6 +104,28 @@ class ProducerTable:
                 offer.reads_left = 0
             elif request_id not in self._settled and len(self._abandoned) < MAX_ABANDONED:
                 self._abandoned[request_id] = deadline
+
+    def abandon_leg(self, leg_id: str, until: float) -> int:
+        """The router stopped the leg `leg_id` before its end: nobody will read what the engine
+        kept for it. Abandons its offer (see `abandon`), or the one that comes before `until`
+        (wall clock); returns the offers abandoned now."""
+        with self._cond:
+            found = [rid for rid in self._offers if of_leg(rid, leg_id)]
+            for rid in found:
+                self._offers[rid].reads_left = 0
+            if not found and len(self._abandoned_legs) < MAX_ABANDONED:
+                self._abandoned_legs[leg_id] = until
+            return len(found)
+
+    def _leg_abandoned(self, request_id: str) -> bool:
+        if not self._abandoned_legs:
+            return False
+        head = request_id.rpartition("-")[0]
+        for leg_id in (request_id, head):
+            if leg_id in self._abandoned_legs and of_leg(request_id, leg_id):
+                del self._abandoned_legs[leg_id]
+                return True
+        return False
 
     def claim(
         self,
@@ -141,6 +185,8 @@ class ProducerTable:
                 del self._settled[rid]
             for rid in [r for r, deadline in self._abandoned.items() if deadline < now]:
                 del self._abandoned[rid]
+            for leg in [g for g, until in self._abandoned_legs.items() if until < now]:
+                del self._abandoned_legs[leg]
             return done
 
     def blocks_held(self) -> int:

@@ -14,17 +14,26 @@ Life of a request here:
    lease) with the last delta; the router hands it to a decode node.
 4. The decode node pulls the blocks from this node's KV server (`kv_server.py`); the lease table
    (`leases.py`) frees them when the pull completes or when the lease ends.
+5. A leg the router stops before its end (its client left, its deadline passed) never hands its
+   handle over, yet vLLM may have finished the prefill and kept the KV an instant before the
+   abort: the node gives back whatever the engine kept for that leg (`_give_back_leg`), so it
+   is freed at once rather than when its lease ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from pdserve_core.engine.actor import EngineActor
 from pdserve_core.engine.legs import Prefill, leg_params
 from pdserve_core.engine.types import TokenDelta
 from pdserve_core.kv.handle import producer_params
+
+logger = logging.getLogger(__name__)
 
 
 def prefill_params(params: Any, sample_first: bool, readers: int, prefetch: str = "") -> Any:
@@ -55,8 +64,25 @@ class PrefillNode(EngineActor):
         first when `sample_first`); the last delta carries the KV handle. With a `prefetch` key,
         a decode node follows the prefill as it runs (prefill_node/progress.py)."""
         params = prefill_params(leg.params, leg.sample_first, leg.readers, leg.prefetch)
-        async for delta in self._run(leg.request_id, leg.prompt_token_ids, params):
-            yield delta
+        run = self._run(leg.request_id, leg.prompt_token_ids, params)
+        try:
+            async with aclosing(run) as deltas:  # vLLM aborts the request first
+                async for delta in deltas:
+                    yield delta
+        except (asyncio.CancelledError, GeneratorExit):  # the router stopped the leg
+            self._aside_task(self._give_back_leg(leg.request_id))
+            raise
+
+    async def _give_back_leg(self, leg_id: str) -> None:
+        """Have the workers abandon what the engine kept for the stopped leg `leg_id`, or
+        keeps a step later (prefill_node/leases.py)."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:  # the workers log what they freed
+            await engine.collective_rpc("pdserve_give_back_leg", args=(leg_id,))
+        except Exception as error:  # the engine may be gone: its KV went with it
+            logger.warning("%s: giving back the KV of leg %s: %r", self._name, leg_id, error)
 
     async def end_follow(self, key: str) -> bool:
         """The prefill `key` names will not run here (its leg failed or was cancelled, maybe

@@ -366,10 +366,13 @@ class EngineActor:
         its decode legs is given back after `GIVE_BACK_GRACE_S` (a pull under way ends first),
         not when each lease ends."""
         if channel.kept and hasattr(self, "give_back"):
-            handles = list(channel.kept.values())
-            task = asyncio.get_running_loop().create_task(self._give_back_later(handles))
-            self._aside.add(task)
-            task.add_done_callback(self._aside.discard)
+            self._aside_task(self._give_back_later(list(channel.kept.values())))
+
+    def _aside_task(self, work: Any) -> None:
+        """Run `work` beside the request that asked for it, kept until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._aside.add(task)
+        task.add_done_callback(self._aside.discard)
 
     async def _give_back_later(self, handles: list[dict[str, Any]]) -> None:
         await asyncio.sleep(GIVE_BACK_GRACE_S)

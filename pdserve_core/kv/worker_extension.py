@@ -59,3 +59,12 @@ class KVWorkerExtension:
             return False
         give_back(request_id, lease_deadline)
         return True
+
+    def pdserve_give_back_leg(self, leg_id: str) -> int:
+        """Free the KV this worker holds, or is about to hold, for the prefill leg `leg_id`,
+        which the router stopped before its end. The offers freed now (0 without a producer
+        half)."""
+        give_back_leg = getattr(_half("producer"), "give_back_leg", None)
+        if give_back_leg is None:
+            return 0
+        return give_back_leg(leg_id)

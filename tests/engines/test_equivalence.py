@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
+import ray
 
+from pdserve_core.engine.legs import Prefill
 from pdserve_core.engine.types import OUTPUT_START_ARG
 from tests.engines.harness import (
     consumer,
@@ -197,6 +200,38 @@ async def test_nixl_hands_over_prompt_by_prompt_as_one_engine(engines, corpus):
     assert after.handovers_recomputed_total == 0, after.last_recompute
     sent = (await engines["p_nixl"].stats.remote()).kv.counters.bytes_sent - sent_before
     assert received == sent > 0
+
+
+async def test_a_prefill_leg_stopped_as_its_kv_was_kept_gives_it_back_at_once(engines, corpus):
+    """The router stops a prefill leg (its client left) an instant after vLLM finished the
+    prefill and kept the KV for a decode: the router never gets the handle, so the prefill node
+    itself gives back what its engine kept for that leg — within seconds, not when the lease
+    ends (30 s here). The leg's stream is held at its last delta (Ray's backpressure: one unread
+    object pauses the node's generator there), then cancelled as the router would."""
+    lease_s = 30.0
+    for name in ("p", "p_nixl"):
+        node = engines[name]
+
+        async def held(node=node) -> int:
+            return (await node.stats.remote()).kv.gauges.blocks_held
+
+        async def none_held(node=node) -> bool:
+            return await held(node) == 0
+
+        await wait_for(none_held, 15, f"{name} to hold no KV before the leg")
+        leg = Prefill(rid("stopped"), corpus[1000:1400], greedy(MAX_TOKENS))
+        stream = node.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=1
+        ).remote(leg)
+        kept = await wait_for(held, 60, f"{name} to keep the prefill's KV for a decode")
+        assert kept == math.ceil(400 / BLOCK)
+        ray.cancel(stream)
+        stopped = time.monotonic()
+        await wait_for(none_held, lease_s, f"{name} to free the stopped leg's KV")
+        freed_s = time.monotonic() - stopped
+        assert freed_s < 10 < lease_s, (name, freed_s)
+        print(f"{name}: the stopped leg's {kept} blocks freed {freed_s:.2f} s after the stop")
+        assert (await node.stats.remote()).kv.counters.leases_expired == 0, name
 
 
 async def test_nothing_is_left_held_after_the_requests(engines):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from prefill_node.leases import ClaimError, ProducerTable
+from prefill_node.leases import ClaimError, ProducerTable, of_leg
 
 
 class Clock:
@@ -140,6 +140,44 @@ def test_an_abandon_that_outruns_its_offer_waits_for_it():
     clock.now = 1006
     table.collect_done()
     table.offer("stale", [6], deadline=1040)
+    assert table.blocks_held() == 1
+
+
+def test_the_engines_request_of_a_leg_is_the_legs_id_and_vllms_suffix_nothing_else():
+    assert of_leg("req-7-p-0123abcd", "req-7-p")
+    assert of_leg("req-7-p", "req-7-p")  # vLLM's request id randomization turned off
+    assert not of_leg("req-7-p-0123abcd", "req-7")  # another leg's, or another request's
+    assert not of_leg("req-7-p-x-0123abcd", "req-7-p")
+    assert not of_leg("req-7-p-0123abc", "req-7-p")
+    assert not of_leg("req-7-pp-0123abcd", "req-7-p")
+
+
+def test_a_stopped_legs_offer_goes_whether_it_came_before_or_after_the_stop():
+    """The router stopped a prefill leg just as vLLM finished it: the router never got the
+    handle, and the engine kept the KV under its own id for the leg."""
+    clock = Clock()
+    table = ProducerTable(clock=clock)
+    table.offer("a-p-0123abcd", [1, 2], deadline=1030)
+    table.offer("b-p-89abcdef", [3], deadline=1030)  # another leg's: kept
+    assert table.abandon_leg("a-p", until=1030) == 1
+    with pytest.raises(ClaimError):
+        table.claim("a-p-0123abcd", [1], wait_s=0)
+    assert table.collect_done() == {"a-p-0123abcd"} and table.blocks_held() == 1
+    assert table.leases_expired == 0  # given back, not expired
+    assert table.abandon_leg("c-p", until=1030) == 0  # stopped before the worker heard of it
+    table.offer("c-p-fedcba98", [4, 5], deadline=1031)
+    assert table.collect_done() == {"c-p-fedcba98"} and table.blocks_held() == 1
+    table.offer("c-p-00000000", [6], deadline=1031)  # the memory served one offer only
+    assert table.blocks_held() == 2
+
+
+def test_a_stopped_leg_that_kept_nothing_is_forgotten_after_its_time():
+    clock = Clock()
+    table = ProducerTable(clock=clock)
+    table.abandon_leg("a-p", until=1005)  # aborted before vLLM finished it: no offer comes
+    clock.now = 1006
+    table.collect_done()
+    table.offer("a-p-0123abcd", [1], deadline=1040)  # (a replay of the id: not abandoned)
     assert table.blocks_held() == 1
 
 
