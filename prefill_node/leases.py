@@ -41,12 +41,15 @@ ENGINE_SUFFIX_LEN = 8
 randomization turned off)."""
 
 
+def suffixed_leg(request_id: str) -> str | None:
+    """The leg id the engine's request `request_id` names with vLLM's suffix, if it has one."""
+    head, dash, tail = request_id.rpartition("-")
+    return head if dash and len(tail) == ENGINE_SUFFIX_LEN else None
+
+
 def of_leg(request_id: str, leg_id: str) -> bool:
     """Whether the engine's request `request_id` is the one vLLM made of the leg `leg_id`."""
-    if request_id == leg_id:
-        return True
-    head, dash, tail = request_id.rpartition("-")
-    return bool(dash) and head == leg_id and len(tail) == ENGINE_SUFFIX_LEN
+    return request_id == leg_id or suffixed_leg(request_id) == leg_id
 
 
 class ClaimError(Exception):
@@ -118,14 +121,11 @@ class ProducerTable:
             return len(found)
 
     def _leg_abandoned(self, request_id: str) -> bool:
+        """Whether the offer `request_id` is of a leg abandoned before it came (forgotten now)."""
         if not self._abandoned_legs:
             return False
-        head = request_id.rpartition("-")[0]
-        for leg_id in (request_id, head):
-            if leg_id in self._abandoned_legs and of_leg(request_id, leg_id):
-                del self._abandoned_legs[leg_id]
-                return True
-        return False
+        legs = (request_id, suffixed_leg(request_id))
+        return any(self._abandoned_legs.pop(leg, None) is not None for leg in legs if leg)
 
     def claim(
         self,
