@@ -31,6 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
@@ -83,12 +84,14 @@ class DecodeNode(EngineActor):
         # the text continues after the client's prompt, not after the first tokens (they may
         # end halfway through a character: pdserve_core/engine/text.py)
         found = None
-        async for delta in self._run(leg.request_id, prompt + first, params, len(prompt)):
-            if delta.finish_reason == "error":
-                raise await self._kv_failure(leg.request_id)
-            if found is None:
-                found = delta.num_cached_tokens
-            yield replace(delta, num_prompt_tokens=len(prompt))
+        run = self._run(leg.request_id, prompt + first, params, len(prompt))
+        async with aclosing(run) as deltas:  # a stopped leg is aborted in vLLM before it ends
+            async for delta in deltas:
+                if delta.finish_reason == "error":
+                    raise await self._kv_failure(leg.request_id)
+                if found is None:
+                    found = delta.num_cached_tokens
+                yield replace(delta, num_prompt_tokens=len(prompt))
         if found is not None:
             self._check_handover(leg, len(prompt) + len(first), found)
 

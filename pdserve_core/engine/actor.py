@@ -161,6 +161,23 @@ def _advertised(kv_transfer: dict[str, Any]) -> dict[str, Any]:
     return {**kv_transfer, "kv_connector_extra_config": extra}
 
 
+def _delta_of(output: Any, completion: Any, prompt_tokens: int, first: bool) -> TokenDelta:
+    """One sequence's new output (`completion`) of vLLM's `RequestOutput` as a delta: the KV
+    handle on the request's last, its prompt's logprobs and cache hits on its first."""
+    return TokenDelta(
+        token_ids=list(completion.token_ids),
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        num_prompt_tokens=prompt_tokens,
+        handle=output.kv_transfer_params if output.finished else None,
+        index=completion.index,
+        logprobs=plain_logprobs(completion.logprobs),
+        prompt_logprobs=plain_logprobs(output.prompt_logprobs) if first else None,
+        num_cached_tokens=output.num_cached_tokens if first else None,
+    )
+
+
 class EngineActor:
     """Ray actor body (wrapped by `ray.remote` in `create_engine_actor`)."""
 
@@ -308,8 +325,10 @@ class EngineActor:
 
     async def generate(self, leg: Whole) -> AsyncIterator[TokenDelta]:
         """A whole request on this engine: prefill and decode."""
-        async for delta in self._run(leg.request_id, leg.prompt_token_ids, leg.params):
-            yield delta
+        run = self._run(leg.request_id, leg.prompt_token_ids, leg.params)
+        async with aclosing(run) as deltas:  # a stopped leg is aborted in vLLM before it ends
+            async for delta in deltas:
+                yield delta
 
     def handler(self, leg: Any) -> Callable[[Any], AsyncIterator[TokenDelta]]:
         """The method that runs `leg` here, by its type; the roles add theirs (a node runs only
@@ -428,29 +447,20 @@ class EngineActor:
         context = 0  # this request's tokens counted in the decode context (once it decodes)
         first = True
         produced: list[int] = []  # its one sequence's tokens (n = 1), for the block log
+        outputs = self._engine.generate(prompt, sampling_params, request_id)
         try:
-            async for output in self._engine.generate(prompt, sampling_params, request_id):
-                new_tokens = sum(len(c.token_ids) for c in output.outputs)
-                grown = (context or len(prompt_token_ids)) + new_tokens
-                self._stats.decode_context_tokens += grown - context
-                context = grown
-                if sampling_params.n == 1:
-                    produced += output.outputs[0].token_ids
-                for completion in output.outputs:
-                    delta = TokenDelta(
-                        token_ids=list(completion.token_ids),
-                        text=completion.text,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                        num_prompt_tokens=len(prompt_token_ids),
-                        handle=output.kv_transfer_params if output.finished else None,
-                        index=completion.index,
-                        logprobs=plain_logprobs(completion.logprobs),
-                        prompt_logprobs=plain_logprobs(output.prompt_logprobs) if first else None,
-                        num_cached_tokens=output.num_cached_tokens if first else None,
-                    )
-                    yield delta if text is None else replace(delta, text=text.text(delta))
-                    first = False
+            async with aclosing(outputs):  # closed with this run: vLLM aborts the request now
+                async for output in outputs:
+                    new_tokens = sum(len(c.token_ids) for c in output.outputs)
+                    grown = (context or len(prompt_token_ids)) + new_tokens
+                    self._stats.decode_context_tokens += grown - context
+                    context = grown
+                    if sampling_params.n == 1:
+                        produced += output.outputs[0].token_ids
+                    for completion in output.outputs:
+                        delta = _delta_of(output, completion, len(prompt_token_ids), first)
+                        yield delta if text is None else replace(delta, text=text.text(delta))
+                        first = False
             # its prompt's blocks, and its output's but the last token's (sampled, never
             # computed): what a conversation's next turn sends back
             if self._block_size:

@@ -1,5 +1,6 @@
 """What vLLM's AsyncLLM yields for one step of one request, for engine actors run over an engine
-that only answers (tests/sockets/test_router_leaves.py, benchmarks/router_scale.py)."""
+that only answers (tests/sockets/test_router_leaves.py, tests/logic/test_leg_stop.py,
+benchmarks/router_scale.py)."""
 
 from __future__ import annotations
 
