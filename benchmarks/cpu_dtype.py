@@ -1,13 +1,15 @@
 """bf16 against float32 on this host's CPU, with plain vLLM's OpenAI server (what `engine.dtype:
 native` decides between: pdserve_core/engine/dtype.py).
 
-    python benchmarks/cpu_dtype.py [--rounds 1] [--out DIR]
+    python benchmarks/cpu_dtype.py [--rounds 1] [--dtypes bfloat16 float32] [--out DIR]
 
 Each dtype in turn (bf16 first, then float32, `--rounds` times in alternation), one server with
 two threads on cores 0-1, sent: three 512-token prompts one at a time with one output token
 (prefill time), then closed loops of 128 → 64-token streams, 1 and 4 at a time (TTFT, ITL).
-Prints, and writes to DIR/results.json and DIR/results.md, each figure and float32 ÷ bf16,
-with the CPU's bf16 flags and the dtype `native` picks here.
+Prints, and writes to DIR/results.json and DIR/results.md, each figure and float32 ÷ bf16 (when
+both ran), with the CPU's bf16 flags and the dtype `native` picks here. `--dtypes float32` alone
+compares hosts: under scripts/as_avx2_host.sh, bf16 falls to a kernel far slower than a real
+AVX2-only CPU's.
 """
 
 from __future__ import annotations
@@ -65,25 +67,29 @@ def table(results: dict) -> str:
             (f"ITL p50, {streams} stream(s) (s)", (streams, "itl_p50_s")),
             (f"output tokens/s, {streams} stream(s)", (streams, "output_tokens_per_s")),
         ]
-    heads = [f"{d} (round {i + 1})" for i in range(len(rounds)) for d in DTYPES]
+    dtypes = results.get("dtypes", DTYPES)
+    both = tuple(dtypes) == DTYPES
+    heads = [f"{d} (round {i + 1})" for i in range(len(rounds)) for d in dtypes]
     lines = [
         f"CPU bf16 flags: {results['bf16_flags'] or 'none'}; `native` here: {results['native']}",
         "",
-        "| figure | " + " | ".join(heads) + " | float32 ÷ bf16 (mean) |",
-        "|---|" + "---|" * (len(heads) + 1),
+        "| figure | " + " | ".join(heads) + (" | float32 ÷ bf16 (mean) |" if both else " |"),
+        "|---|" + "---|" * (len(heads) + both),
     ]
     for label, path in rows:
         cells, ratios = [], []
         for round_ in rounds:
             values = []
-            for dtype in DTYPES:
+            for dtype in dtypes:
                 value = round_[dtype]
                 for key in path:
                     value = value[key]
                 values.append(value)
                 cells.append(f"{value:.3f}")
-            ratios.append(values[1] / values[0])
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {statistics.mean(ratios):.2f} |")
+            if both:
+                ratios.append(values[1] / values[0])
+        ratio = f" {statistics.mean(ratios):.2f} |" if both else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + " |" + ratio)
     return "\n".join(lines) + "\n"
 
 
@@ -91,15 +97,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--per-stream", type=int, default=4)
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="in this order"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench/cpu-dtype"))
     args = parser.parse_args()
     from pdserve_core.model_prep import prepare_default_model
 
     model_dir = Path(prepare_default_model())
-    results = {"bf16_flags": sorted(bf16_flags()), "native": native_dtype(gpu=False), "rounds": []}
+    results = {
+        "bf16_flags": sorted(bf16_flags()),
+        "native": native_dtype(gpu=False),
+        "dtypes": args.dtypes,
+        "rounds": [],
+    }
     for _ in range(args.rounds):
         round_ = {}
-        for dtype in DTYPES:
+        for dtype in args.dtypes:
             work = compare.scratch(args.out, f"vllm-{dtype}")
             with compare.plain_vllm_server(model_dir, model_dir.name, work, dtype=dtype) as url:
                 round_[dtype] = asyncio.run(measure(url, args.per_stream))
