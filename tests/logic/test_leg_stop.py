@@ -1,8 +1,8 @@
-"""A leg the router stops (its client left, its deadline passed) is aborted in vLLM before the
-stop returns, on every kind of node: the node closes vLLM's request stream itself rather than
-leaving it to the event loop's finalizer a turn later. The node's own code over an engine that
-streams tokens until it is closed, as vLLM's `AsyncLLM.generate` does (it aborts the request
-when its stream is closed)."""
+"""A leg the router stops (its client left, its deadline passed) between two of vLLM's outputs is
+aborted in vLLM before the stop returns, on every kind of node: closing the leg's generator
+closes vLLM's request stream at once, not in the event loop's finalizer a turn later. The
+node's own code over an engine that streams tokens until it is closed, as vLLM's
+`AsyncLLM.generate` does (it aborts the request when its stream is closed)."""
 
 from __future__ import annotations
 
