@@ -25,22 +25,23 @@ CONFIG = {
     "colocated": {"mode": "colocated"},
     # every prompt across the seam (the adaptive default would keep short ones on one engine)
     "disaggregated": {"mode": "disaggregated", "router": {"placement": {"mode": "remote"}}},
-    "default": {"mode": "disaggregated"},
 }
 pytestmark = pytest.mark.timeout(1800)
-"""The first test's setup serves every system in turn (the `answers` fixture: four servers,
-their cases and vLLM's own tests), 11 minutes on a 2-core bf16 host (15 before the cases went four
-at a time), more on a slower one: near or past the suite's 900 s."""
+"""The first test's setup serves every system in turn (the `answers` fixture: three servers,
+their cases and vLLM's own tests), 8-9 minutes on a 2-core host, more on a slower one: near or
+past the suite's 900 s."""
 
-VLLM_TESTED = ("vllm", "disaggregated", "default")
+VLLM_TESTED = ("vllm", "disaggregated", "colocated")
 """The servers vLLM's own entrypoint tests run against (scripts/vllm_entrypoint_tests.py):
-plain vLLM, pdserve with every prompt across the seam, and pdserve's default 1P1D (adaptive
-placement), which serves the emoji and CJK cases too, none of the others. On pdserve, only the tests
-that passed on vLLM run: a test that fails there cannot regress."""
+plain vLLM, pdserve with every prompt across the seam, and pdserve colocated (a request whole on
+one engine). Those are the two ways the default 1P1D serves a request: its adaptive placement
+sends a prompt across the seam while the prefill node is free (every request here, one at a time),
+and keeps it whole on the decode node only while the prefill pool is backed up. On pdserve, only
+the tests that passed on vLLM run: a test that fails there cannot regress."""
 WIDE_TESTED = VLLM_TESTED
 """The servers the emoji / CJK cases (`parity.wide_characters`) go to, the same ones: where the
-first token can end halfway through a character is the seam; colocated pdserve is one engine,
-like vLLM."""
+first token can end halfway through a character is the seam; on colocated pdserve the whole
+request is one engine's, as on the default 1P1D for a prompt it keeps on the decode node."""
 FLAGS = (
     *parity.TOOL_FLAGS,
     "--enable-tokenizer-info-endpoint",
@@ -114,7 +115,7 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
     wide = parity.wide_characters()
     seen: dict[str, dict[str, dict]] = {}
     derived: list[parity.Case] = []
-    for system in (*SYSTEMS, *(s for s in VLLM_TESTED if s not in SYSTEMS)):
+    for system in SYSTEMS:
         work = tmp_path_factory.mktemp(f"parity-{system}")
         with (
             phase(f"parity {system}: start and stop"),
@@ -180,9 +181,9 @@ def test_same_answer_as_plain_vllm(answers, system, name):
 @pytest.mark.parametrize("name", [case.name for case in parity.wide_characters()])
 def test_same_wide_characters_as_plain_vllm(answers, system, name):
     """Emoji, CJK, other scripts and combining characters, greedy, each prompt as a completion
-    and a chat, one of them streamed: with every prompt across the seam, and on pdserve's default
-    1P1D (adaptive placement picks the prefill node or the decode node per request; the answer
-    must be vLLM's either way)."""
+    and a chat, one of them streamed: with every prompt across the seam, and whole on one engine
+    (the two ways the default 1P1D's adaptive placement serves a request; the answer must be
+    vLLM's either way)."""
     _same_answer(answers, system, name)
 
 
@@ -195,7 +196,7 @@ def _same_answer(answers, system, name):
     assert not problems, "\n".join(problems[:10])
 
 
-@pytest.mark.parametrize("system", ["disaggregated", "default"])
+@pytest.mark.parametrize("system", ["disaggregated", "colocated"])
 def test_vllms_own_tests_pass_on_pdserve_wherever_they_pass_on_vllm(answers, system):
     """vLLM 0.32's OpenAI entrypoint tests (scripts/vllm_entrypoint_tests.py) against plain vLLM
     and pdserve with the same flags: none that passes on vLLM fails on pdserve, but for the
