@@ -18,7 +18,6 @@ import pytest
 from tests.e2e.conftest import (
     BAD_REQUESTS,
     CHAT,
-    assert_greedy_matches_plain_vllm,
     assert_rejected,
     finish_server,
     metric,
@@ -223,10 +222,6 @@ def test_a_clients_request_id_names_the_response_only(server):
     assert metric_reaching(server, "pdserve_node_prompt_tokens_total", floor, **decode) >= floor
     # read once the stats hold both legs
     assert count("pdserve_kv_transfer_failures_total", reason="bad_handle") == bad
-
-
-def test_greedy_output_equals_plain_vllm(client, server, default_model_dir, tmp_path):
-    assert_greedy_matches_plain_vllm(client, server.model, default_model_dir, tmp_path, "float32")
 
 
 def test_prefill_node_killed_falls_back_then_rejoins(client, server, corpus_text):
@@ -529,9 +524,17 @@ def _streams_through(server, kill, count: int = 3) -> list[dict]:
         return [f.result(timeout=280) for f in futures]
 
 
-def _uninterrupted(server) -> tuple[str, int]:
+def _assert_serves_as_before(server, expected: str, max_tokens: int = 40) -> None:
+    """The rebuilt node's answer begins as the uninterrupted run's (greedy: the first
+    `max_tokens` tokens of a longer run are the shorter run's)."""
+    again, _ = _uninterrupted(server, max_tokens)
+    assert again and expected.startswith(again), (again, expected)
+
+
+def _uninterrupted(server, max_tokens: int = STREAM["max_tokens"]) -> tuple[str, int]:
     """The text and prompt tokens of the same request, run without interruption."""
-    answer = httpx.post(f"{server.url}/v1/completions", json=STREAM, headers=AUTH, timeout=300)
+    request = {**STREAM, "max_tokens": max_tokens}
+    answer = httpx.post(f"{server.url}/v1/completions", json=request, headers=AUTH, timeout=300)
     body = answer.json()
     return body["choices"][0]["text"], body["usage"]["prompt_tokens"]
 
@@ -560,7 +563,7 @@ def test_decode_node_killed_mid_stream_the_streams_continue(server):
     assert metric(server, "pdserve_stream_resumes_total", pool="decode") >= resumed + 3
     _wait_healthy(server, "decode")
     assert node(server, "decode")["pid"] != pid
-    assert _uninterrupted(server)[0] == expected
+    _assert_serves_as_before(server, expected)
 
 
 def test_a_dead_engine_under_a_living_node_is_rebuilt(server):
@@ -577,7 +580,7 @@ def test_a_dead_engine_under_a_living_node_is_rebuilt(server):
     _wait_healthy(server, "decode")
     assert node(server, "decode")["pid"] == actor.pid  # the same actor, a new engine
     assert not core.is_running()
-    assert _uninterrupted(server)[0] == expected
+    _assert_serves_as_before(server, expected)
 
 
 def test_bad_http_input_is_refused_and_the_router_keeps_serving(server, client):
