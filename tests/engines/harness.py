@@ -39,11 +39,15 @@ class Engines:
         return self.actors[name]
 
     def stop(self) -> None:
-        for actor in self.actors.values():
+        """Shut every engine down at once (each waits seconds for vLLM's processes to exit),
+        then end the actors; one already dead (a test killed it) is only ended."""
+        shutdowns = [actor.shutdown.remote() for actor in self.actors.values()]
+        for shutdown in shutdowns:
             try:
-                ray.get(actor.shutdown.remote(), timeout=30)
+                ray.get(shutdown, timeout=30)
             except Exception:
                 pass
+        for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
 
 

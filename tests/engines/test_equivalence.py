@@ -88,8 +88,10 @@ async def test_greedy_tokens_match_one_engine_prompt_by_prompt(engines, corpus, 
     block_bytes = BLOCK * kv_bytes_per_token
     for name, prompt in prompts(corpus):
         before = await engines["d"].stats.remote()
-        result = await disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS)
-        expected = await reference(engines["ref"], prompt, MAX_TOKENS)
+        result, expected = await asyncio.gather(  # one request on each engine at a time
+            disaggregated(engines["p"], engines["d"], prompt, MAX_TOKENS),
+            reference(engines["ref"], prompt, MAX_TOKENS),
+        )
         checked += 1
         if result.tokens != expected:
             mismatches.append((name, result.tokens, expected))
@@ -188,8 +190,11 @@ async def test_nixl_hands_over_prompt_by_prompt_as_one_engine(engines, corpus):
     differ = []
     for n in lengths:
         prompt = corpus[1000 - n // 2 : 1000 - n // 2 + n]
-        got = await disaggregated(engines["p_nixl"], engines["d_nixl"], prompt, BATCH_MAX_TOKENS)
-        if got.tokens != await reference(engines["ref"], prompt, BATCH_MAX_TOKENS):
+        got, expected = await asyncio.gather(
+            disaggregated(engines["p_nixl"], engines["d_nixl"], prompt, BATCH_MAX_TOKENS),
+            reference(engines["ref"], prompt, BATCH_MAX_TOKENS),
+        )
+        if got.tokens != expected:
             differ.append(n)
     assert not differ, f"prompt lengths whose tokens differ over nixl: {differ}"
     after = await engines["d_nixl"].stats.remote()
