@@ -23,7 +23,8 @@ FULL = os.environ.get("PDSERVE_PARITY") == "full"
 SYSTEMS = ("vllm", "colocated", "disaggregated")
 CONFIG = {
     "colocated": {"mode": "colocated"},
-    # every prompt across the seam (the adaptive default would keep short ones on one engine)
+    # every prompt across the seam (the adaptive default keeps one on the decode node while the
+    # prefill pool is backed up, which four requests at a time may do)
     "disaggregated": {"mode": "disaggregated", "router": {"placement": {"mode": "remote"}}},
 }
 pytestmark = pytest.mark.timeout(1800)
