@@ -24,6 +24,8 @@ from tests.e2e.conftest import finish_server, start_server
 DURATION_S = float(os.environ.get("PDSERVE_CHAOS_S", "45"))
 KILL_EVERY_S = float(os.environ.get("PDSERVE_CHAOS_KILL_EVERY_S", "15"))
 SHAPES = os.environ.get("PDSERVE_CHAOS_SHAPES", "2P2D").split(",")
+if unknown := set(SHAPES) - {"1P1D", "2P2D"}:
+    raise ValueError(f"PDSERVE_CHAOS_SHAPES: {sorted(unknown)} not among 1P1D, 2P2D")
 HEALTHY_WITHIN_S = 240.0
 LEASE_S = 10.0
 

@@ -21,6 +21,14 @@ from tests.helpers.vllm_tests import script as vllm_tests
 
 FULL = os.environ.get("PDSERVE_PARITY") == "full"
 SYSTEMS = ("vllm", "colocated", "disaggregated")
+"""Each answers every case, the emoji / CJK cases (`parity.wide_characters`) and vLLM's own
+entrypoint tests (scripts/vllm_entrypoint_tests.py): plain vLLM, pdserve colocated (a request
+whole on one engine) and pdserve with every prompt across the seam. Those are the two ways the
+default 1P1D serves a request: its adaptive placement sends a prompt across the seam while the
+prefill node is free (every request here, one at a time), and keeps it whole on the decode node
+only while the prefill pool is backed up. Where the first token can end halfway through a
+character is the seam. On pdserve, only vLLM's tests that passed on vLLM run: a test that fails
+there cannot regress."""
 CONFIG = {
     "colocated": {"mode": "colocated"},
     # every prompt across the seam (the adaptive default keeps one on the decode node while the
@@ -32,17 +40,6 @@ pytestmark = pytest.mark.timeout(1800)
 their cases and vLLM's own tests), 8-9 minutes on a 2-core host, more on a slower one: near or
 past the suite's 900 s."""
 
-VLLM_TESTED = ("vllm", "disaggregated", "colocated")
-"""The servers vLLM's own entrypoint tests run against (scripts/vllm_entrypoint_tests.py):
-plain vLLM, pdserve with every prompt across the seam, and pdserve colocated (a request whole on
-one engine). Those are the two ways the default 1P1D serves a request: its adaptive placement
-sends a prompt across the seam while the prefill node is free (every request here, one at a time),
-and keeps it whole on the decode node only while the prefill pool is backed up. On pdserve, only
-the tests that passed on vLLM run: a test that fails there cannot regress."""
-WIDE_TESTED = VLLM_TESTED
-"""The servers the emoji / CJK cases (`parity.wide_characters`) go to, the same ones: where the
-first token can end halfway through a character is the seam; on colocated pdserve the whole
-request is one engine's, as on the default 1P1D for a prompt it keeps on the decode node."""
 FLAGS = (
     *parity.TOOL_FLAGS,
     "--enable-tokenizer-info-endpoint",
@@ -122,23 +119,20 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
             phase(f"parity {system}: start and stop"),
             _serve(system, default_model_dir, work) as url,
         ):
-            seen[system] = {}
-            if system in SYSTEMS:
-                with phase(f"parity {system}: cases"):
-                    seen[system] = parity.send_all(url, cases)
-                    if system == "vllm":
-                        derived = parity.derived(seen["vllm"]["greedy"])
-                    seen[system].update(parity.send_all(url, derived))
-                    seen[system]["refusals"] = _refusals(url)
-            if system in WIDE_TESTED:
-                with phase(f"parity {system}: wide characters"):
-                    seen[system].update(parity.send_all(url, wide))
-            if system in VLLM_TESTED:  # on pdserve, only what passed on vLLM (can regress)
-                only = None if system == "vllm" else vllm_tests().passed(seen["vllm"]["vllm-tests"])
-                with phase(f"parity {system}: vLLM's own tests"):
-                    seen[system]["vllm-tests"] = vllm_tests().run(
-                        url, "SmolLM2-135M-Instruct", str(default_model_dir), only=only
-                    )
+            with phase(f"parity {system}: cases"):
+                seen[system] = parity.send_all(url, cases)
+                if system == "vllm":
+                    derived = parity.derived(seen["vllm"]["greedy"])
+                seen[system].update(parity.send_all(url, derived))
+                seen[system]["refusals"] = _refusals(url)
+            with phase(f"parity {system}: wide characters"):
+                seen[system].update(parity.send_all(url, wide))
+            # on pdserve, only what passed on vLLM (can regress)
+            only = None if system == "vllm" else vllm_tests().passed(seen["vllm"]["vllm-tests"])
+            with phase(f"parity {system}: vLLM's own tests"):
+                seen[system]["vllm-tests"] = vllm_tests().run(
+                    url, "SmolLM2-135M-Instruct", str(default_model_dir), only=only
+                )
     return seen
 
 
@@ -178,7 +172,7 @@ def test_same_answer_as_plain_vllm(answers, system, name):
     _same_answer(answers, system, name)
 
 
-@pytest.mark.parametrize("system", WIDE_TESTED[1:])
+@pytest.mark.parametrize("system", SYSTEMS[1:])
 @pytest.mark.parametrize("name", [case.name for case in parity.wide_characters()])
 def test_same_wide_characters_as_plain_vllm(answers, system, name):
     """Emoji, CJK, other scripts and combining characters, greedy, each prompt as a completion
