@@ -7,11 +7,16 @@ and the router (or vLLM's API server) has core 0 to itself:
 - `vllm`: plain vLLM's OpenAI server (what a user would run instead);
 - `direct`: pdserve colocated, tokens over each node's token stream (`router.token_stream:
   direct`, the default);
-- `ray`: pdserve colocated, tokens as Ray streaming calls (`router.token_stream: ray`).
+- `ray`: pdserve colocated, tokens as Ray streaming calls (`router.token_stream: ray`);
+- `worker`: `direct` with the model worker in a process of its own beside the EngineCore
+  (`engine.cpu_worker_process: true`), as vLLM runs it on a CPU; pdserve's default runs it
+  inside the EngineCore's process.
 Each system is started in turn, `--rounds` times in alternation (the machine is noisy: the
 figures that count are differences within one round), and sent closed loops of 64 → 128-token
 streams, `--streams` at a time. Prints, and writes to DIR/results.json and DIR/results.md, the
-TTFT and ITL p50 of each, and each pdserve system's overhead over vLLM in the same round.
+TTFT and ITL p50 of each, each pdserve system's overhead over vLLM in the same round, and the CPU
+each generated token cost each group of processes (the engine's own, EngineCore and worker,
+apart).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pdserve.bench.client import run_load, served_model
 from pdserve.bench.stats import summarize
 from pdserve.bench.workload import RequestSpec, Workload, build_requests
 
-SYSTEMS = ("vllm", "direct", "ray")
+SYSTEMS = ("vllm", "direct", "ray", "worker")
 CORE = "1"
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -54,12 +59,14 @@ def cpu_by_process() -> dict[str, float]:
     return totals
 
 
-def pdserve_config(token_stream: str, work: Path) -> Path:
+def pdserve_config(system: str, work: Path) -> Path:
     data = yaml.safe_load(compare.MODES["colocated"].read_text())
     data["pools"]["colocated"] = {"replicas": 1, "num_cpus": 1, "cpu_bind": [CORE]}
-    data.setdefault("engine", {})["omp_threads"] = 1
-    data.setdefault("router", {})["token_stream"] = token_stream
-    path = work / f"{token_stream}.yaml"
+    engine = data.setdefault("engine", {})
+    engine["omp_threads"] = 1
+    engine["cpu_worker_process"] = system == "worker"
+    data.setdefault("router", {})["token_stream"] = "ray" if system == "ray" else "direct"
+    path = work / f"{system}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -113,8 +120,15 @@ PATH_GROUPS = {
         or (name.startswith("ray::") and not name.startswith("ray::EngineActo"))
     ),
 }
-"""The processes a token passes through outside the engine (EngineCore and its worker are the
-same in every system), and Ray's own, whose work is mostly the control plane's."""
+"""The processes a token passes through outside the engine, and Ray's own, whose work is mostly
+the control plane's."""
+
+ENGINE = "engine (EngineCore, worker)"
+"""vLLM's own processes: the same work in every system, in one process or two."""
+
+
+def _in_engine(name: str) -> bool:
+    return name.startswith("VLLM::")
 
 
 def path_cpu(cpu: dict[str, float]) -> dict[str, float]:
@@ -123,22 +137,24 @@ def path_cpu(cpu: dict[str, float]) -> dict[str, float]:
         group: sum(ms for name, ms in cpu.items() if belongs(name))
         for group, belongs in PATH_GROUPS.items()
     }
-    return {**groups, "total": sum(groups.values())}
+    engine = sum(ms for name, ms in cpu.items() if _in_engine(name))
+    return {**groups, "total": sum(groups.values()), ENGINE: engine}
 
 
 def cpu_table(rounds: list[dict], streams: list[int], systems: list[str]) -> list[str]:
     lines = [
-        "CPU per generated token outside the engine (ms, mean across rounds):",
+        "CPU per generated token (ms, mean across rounds): outside the engine, their total, and",
+        "the engine's own processes",
         "",
-        "| streams | system | " + " | ".join(PATH_GROUPS) + " | total |",
-        "|---|---|" + "---|" * (len(PATH_GROUPS) + 1),
+        "| streams | system | " + " | ".join(PATH_GROUPS) + f" | total | {ENGINE} |",
+        "|---|---|" + "---|" * (len(PATH_GROUPS) + 2),
     ]
     for count in map(str, streams):
         for system in systems:
             per_round = [path_cpu(r[system][count]["cpu_ms_per_token"]) for r in rounds]
             cells = [
                 f"{statistics.mean(p[group] for p in per_round):.2f}"
-                for group in (*PATH_GROUPS, "total")
+                for group in (*PATH_GROUPS, "total", ENGINE)
             ]
             lines.append(f"| {count} | {system} | " + " | ".join(cells) + " |")
     return lines

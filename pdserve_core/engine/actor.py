@@ -58,6 +58,10 @@ from pdserve_core.roofline.stepmodel import StepModel, device_key, find_step_mod
 
 logger = logging.getLogger(__name__)
 
+IN_CORE_EXECUTOR = "pdserve_core.engine.executor.InCoreExecutor"
+"""vLLM's executor for a CPU engine whose worker runs in the EngineCore's process (executor.py;
+named, not imported: it imports vLLM)."""
+
 GIVE_BACK_GRACE_S = 2.0
 """How long after a router's token stream closed a node gives back the KV it kept for that
 router's decode legs: a pull already under way ends first (a pull takes milliseconds)."""
@@ -140,6 +144,8 @@ def engine_kwargs(
         kwargs["block_size"] = engine.block_size
     if engine.reasoning_parser:
         kwargs["reasoning_parser"] = engine.reasoning_parser
+    if not engine.cpu_worker_process:  # the engine actor passes it on (vLLM rewrites "uni" on CPU)
+        kwargs["distributed_executor_backend"] = "uni"
     # the actor's word reaches the workers: the KV connector's methods, the warm-up
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
     if kv_transfer:
@@ -245,6 +251,12 @@ class EngineActor:
 
             kv_transfer = _advertised(kwargs["kv_transfer_config"])
             kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
+        if kwargs.get("distributed_executor_backend") == "uni" and _gpu_name() is None:
+            # vLLM's CPU platform turns "uni" into its multiprocessing executor (for an engine
+            # in the caller's own process, whose OpenMP runtime has started); named by its
+            # class, the worker runs in the EngineCore's process, spawned once the platform has
+            # set the OpenMP environment, as on a GPU (executor.py: and its steps timed whole)
+            kwargs["distributed_executor_backend"] = IN_CORE_EXECUTOR
         args = AsyncEngineArgs(**kwargs)
         self._engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[stat_logger_factory(self._collector)]

@@ -4,8 +4,11 @@ The producer half lives with the prefill node (`prefill_node/kv_producer.py`), t
 with the decode node (`decode_node/kv_consumer.py`); this package names their modules but never
 imports them (a process loads only the halves its `kv_role` needs), so what the connector may
 call on each side is written here, as protocols the halves' classes satisfy
-(tests/logic/test_kv_halves.py checks that they do). Each half has a scheduler side (the
-EngineCore process) and a worker side (each worker process, holding the data plane).
+(tests/logic/test_kv_halves.py checks that they do). Each half has a scheduler side (in the
+EngineCore process) and a worker side (in each model worker, holding the data plane: on a CPU
+the EngineCore's own process unless `engine.cpu_worker_process`, on GPUs a process per rank).
+vLLM builds the two as separate instances either way; they share nothing but the metadata
+vLLM hands from one to the other.
 """
 
 from __future__ import annotations

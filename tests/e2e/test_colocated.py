@@ -139,14 +139,17 @@ def test_the_log_tells_requests_not_engine_steps(client, server):
 
 
 def test_an_engine_that_stops_is_counted_and_told_as_a_stall(server):
-    """The engine's worker stopped (SIGSTOP) for 1.2 s mid-stream, as a stalled host or a
-    blocked step would stop it: the stream still ends whole, and the node's stall counter and the
-    server's log say that every stream on it stopped, and for how long."""
+    """The engine's core, its model worker within (`engine.cpu_worker_process` false), stopped
+    (SIGSTOP) for 1.2 s mid-stream, as a stalled host or a blocked step would stop it: the stream
+    still ends whole, and the node's stall counter and the server's log say that every stream on
+    it stopped, and for how long."""
     import psutil
 
     health = httpx.get(f"{server.url}/health", timeout=10).json()
     actor = psutil.Process(health["pools"]["colocated"]["nodes"][0]["pid"])
-    worker = next(p for p in actor.children(recursive=True) if "VLLM::Worker" in p.name())
+    children = actor.children(recursive=True)
+    assert not [p for p in children if "VLLM::Worker" in p.name()]  # the worker is in the core
+    worker = next(p for p in children if "EngineCore" in " ".join(p.cmdline()))
     before = metric(server, "pdserve_node_engine_stalls_total")
     body = {"model": server.model, "prompt": "Tell me a story", "max_tokens": 96}
     body |= {"ignore_eos": True, "stream": True, "return_token_ids": True}

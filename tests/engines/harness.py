@@ -53,14 +53,23 @@ class Engines:
 
 def start_engines(
     model: str, roles: dict[str, tuple[type, dict | None]], dtype: str = "float32",
-    kv_cache_gib: int = 1,
+    kv_cache_gib: int = 1, worker_process: tuple[str, ...] = (),
 ) -> Engines:  # fmt: skip
-    """Start one engine per entry ({name: (actor class, KV transfer config or None)})."""
+    """Start one engine per entry ({name: (actor class, KV transfer config or None)}); those
+    named in `worker_process` run vLLM's model worker in a process of its own, as vLLM does on a
+    CPU (`engine.cpu_worker_process`), the others inside the EngineCore's, pdserve's default."""
     engine = EngineConfig(dtype=dtype, kv_cache_space_gib=kv_cache_gib, omp_threads=1)
     pool = PoolConfig(num_cpus=1, max_restarts=0)
     actors = {
         name: create_engine_actor(
-            cls, f"kvtest-{name}-{os.getpid()}", model, "model", engine, pool, i, kv_transfer=kv
+            cls,
+            f"kvtest-{name}-{os.getpid()}",
+            model,
+            "model",
+            engine.model_copy(update={"cpu_worker_process": name in worker_process}),
+            pool,
+            i,
+            kv_transfer=kv,
         )
         for i, (name, (cls, kv)) in enumerate(roles.items())
     }

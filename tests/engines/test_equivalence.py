@@ -3,9 +3,12 @@
 Real vLLM CPU engines (SmolLM2-135M, float32, eager, prefix caching on) in Ray actors: a prefill
 and a decode node over pdserve's TCP plane, a pair over NIXL (UCX on loopback between the two
 engine processes, the decode node loading beside the steps: `load: async`), and a plain engine,
-the one-engine reference. One set for the module; tests read counters as differences. Exact
-comparisons run in float32: bf16 kernels differ between CPUs (oneDNN/AMX on Intel), so bit-exact
-bf16 holds on one host and not another, and bf16 greedy output depends on batch composition.
+the one-engine reference, laid out as vLLM lays out a CPU engine (its model worker in a process
+of its own; pdserve's run inside the EngineCore's process), so each comparison with it also
+checks pdserve's layout against vLLM's. One set for the module; tests read counters as
+differences. Exact comparisons run in float32: bf16 kernels differ between CPUs (oneDNN/AMX on
+Intel), so bit-exact bf16 holds on one host and not another, and bf16 greedy output depends on
+batch composition.
 """
 
 from __future__ import annotations
@@ -52,9 +55,35 @@ def engines(ray_session, default_model_dir):
         "d_nixl": consumer(transport="nixl", load="async"),
         "ref": plain(),
     }
-    engines = start_engines(str(default_model_dir), roles)
+    engines = start_engines(str(default_model_dir), roles, worker_process=("ref",))
     yield engines
     engines.stop()
+
+
+def test_the_reference_has_vllms_worker_process_and_the_nodes_none(engines):
+    import psutil
+
+    def workers(name: str) -> list:
+        actor = psutil.Process(engines.infos[name].pid)
+        return [p for p in actor.children(recursive=True) if p.name().startswith("VLLM::Worker")]
+
+    assert len(workers("ref")) == 1
+    assert [name for name in ("p", "d", "p_nixl", "d_nixl") if workers(name)] == []
+
+
+async def test_a_step_is_timed_with_its_forward_pass(engines, corpus):
+    """The step times an engine records (prefill rates, utilization and calibrations are made of
+    them) hold the step's forward pass with the worker inside the EngineCore, as with a worker
+    process: the step that computes a 1,500-token prompt takes many decode steps' time. (vLLM's
+    own one-process executor runs the pass before the span it times: both would read as the
+    sampling alone.)"""
+    node = engines["d"]  # in the EngineCore's process
+    seen = (await node.step_records.remote())["steps_seen"]
+    await generate(node, corpus[-1500:], greedy(8), rid("timed"))
+    steps = (await node.step_records.remote(seen))["records"]
+    prompt = sum(s[5] for s in steps if s[0] > 0)  # in one step or a few chunks
+    decode = sorted(s[5] for s in steps if s[0] == 0 and s[2] > 0)
+    assert decode and prompt > 5 * decode[len(decode) // 2], (prompt, decode)
 
 
 async def test_the_first_request_with_logprobs_finds_the_sampler_compiled(engines, corpus):
