@@ -124,7 +124,8 @@ PATH_GROUPS = {
 the control plane's."""
 
 ENGINE = "engine (EngineCore, worker)"
-"""vLLM's own processes: the same work in every system, in one process or two."""
+"""vLLM's own processes: the EngineCore, and its model worker where it has a process of its own
+(vLLM's server, `worker`); what the EngineCore spends waiting for that worker shows here."""
 
 
 def _in_engine(name: str) -> bool:
