@@ -2,6 +2,10 @@
 VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
+FAST_WORKERS ?= 2
+# test-fast's pytest-xdist workers: its tiers wait on sockets, timeouts and Ray starts for about
+# half their time, so two workers on two cores take ~70 s against ~95 s in one (`make test` stays
+# in one process: its servers are shared by the whole session). FAST_WORKERS=0: one process.
 
 .PHONY: setup serve test test-fast lint format proto bench bench-kv sweep
 
@@ -17,7 +21,7 @@ test:
 
 test-fast:
 	bash scripts/bootstrap.sh tests
-	$(VENV)/bin/python -m pytest -m "logic or sockets" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "logic or sockets" -n $(FAST_WORKERS) $(PYTEST_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check .
