@@ -78,29 +78,17 @@ def snap():
     return out
 
 
+def bench_run(url, rate, out):
+    """`pdserve bench run`: 30 s of the steady mix (128 -> 64) at `rate`, its report in `out`."""
+    command = [str(REPO / ".venv/bin/pdserve"), "bench", "run", "--url", url]
+    command += ["--prompt-len", "128", "--output-len", "64", "--rate", str(rate)]
+    command += ["--duration-s", "30", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True)
+
+
 def measure(system, url, rate, out):
     before, t0 = snap(), time.monotonic()
-    subprocess.run(
-        [
-            str(REPO / ".venv/bin/pdserve"),
-            "bench",
-            "run",
-            "--url",
-            url,
-            "--prompt-len",
-            "128",
-            "--output-len",
-            "64",
-            "--rate",
-            str(rate),
-            "--duration-s",
-            "30",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    bench_run(url, rate, out)
     after, wall = snap(), time.monotonic() - t0
     use = defaultdict(lambda: [0.0, 0, 0])
     for pid, (k, cpu, vol, inv) in after.items():

@@ -9,10 +9,9 @@ import tempfile
 from pathlib import Path
 
 import psutil
+from wakeups import REPO, bench_run  # this folder's
 
 from pdserve.bench.compare import pdserve_server
-
-REPO = Path(__file__).resolve().parents[4]
 
 
 def gloo_threads():
@@ -36,27 +35,7 @@ def set_class(idle):
 
 
 def bench(url, rate, out):
-    subprocess.run(
-        [
-            str(REPO / ".venv/bin/pdserve"),
-            "bench",
-            "run",
-            "--url",
-            url,
-            "--prompt-len",
-            "128",
-            "--output-len",
-            "64",
-            "--rate",
-            str(rate),
-            "--duration-s",
-            "30",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    bench_run(url, rate, out)
     run = json.loads((out / "results.json").read_text())["runs"]["run"]
     return {
         "goodput": round(run["goodput"], 3),
