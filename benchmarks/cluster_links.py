@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.e2e.conftest import metric  # noqa: E402
-from tests.e2e.hosts import bring_up, tear_down, wait_for  # noqa: E402
+from tests.e2e.hosts import bring_up, hosts_up, tear_down, wait_for  # noqa: E402
 from tests.e2e.test_hosts import healthy, nodes, start_streams  # noqa: E402
 
 GAP = "pdserve_handover_gap_seconds"
@@ -124,7 +124,12 @@ def main() -> None:
         kv = {} if args.prefetch_mib is None else {"prefetch_mib": args.prefetch_mib}
         if args.transport == "nixl":
             kv |= {"transport": "nixl", "ucx": {"TLS": "tcp"}}
-        cluster = bring_up(Path(work), dtype=args.dtype, kv=kv)
+        hosts = hosts_up()
+        try:
+            cluster = bring_up(hosts, Path(work), dtype=args.dtype, kv=kv)
+        except BaseException:
+            hosts.down()
+            raise
         try:
             gaps(cluster, [64], 2, seed=0)  # warm-up
             unshaped = gaps(cluster, args.lengths, args.per_length, seed=1)
@@ -143,6 +148,7 @@ def main() -> None:
             cuts = [cut_once(cluster, f"decode{i % 2}") for i in range(args.cuts)]
         finally:
             tear_down(cluster)
+            hosts.down()
     if not cuts:
         return
     resumed = sorted(c["resumed_s"] for c in cuts)

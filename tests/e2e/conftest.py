@@ -103,6 +103,17 @@ def finish_server(server: Server) -> None:
 
 
 @pytest.fixture(scope="session")
+def emulated_hosts():
+    """Four emulated hosts with Ray on each (tests/e2e/hosts.py), shared by the modules that serve
+    on them; taken down at the session's end."""
+    from tests.e2e.hosts import hosts_up
+
+    hosts = hosts_up()
+    yield hosts
+    hosts.down()
+
+
+@pytest.fixture(scope="session")
 def server(default_model_dir, tmp_path_factory) -> Server:
     """The colocated server (what deploy/config/local-cpu-colocated.yaml serves), laid out by
     `--layout auto`: the default config, uniform traffic at 2 requests/s, the calibrations

@@ -1,11 +1,14 @@
 """A pdserve cluster on emulated hosts (network namespaces), brought up with the deploy files'
 own commands: Ray started on each host from `deploy/ray/pdserve-cluster.yaml`, `pdserve serve`
 on the head with `deploy/config/cluster-cpu.yaml`, and the client on this machine reaching the
-router across the head's link. Used by tests/e2e/test_hosts.py; needs root."""
+router across the head's link. Used by tests/e2e/test_hosts.py and test_hosts_nixl.py, which
+share the hosts; needs root."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,13 +19,14 @@ import httpx
 import yaml
 
 from pdserve.hosts import EmulatedCluster, HostsError
-from pdserve.hosts.ray_hosts import cluster_env, start_ray
+from pdserve.hosts.ray_hosts import cluster_env, restart_host, start_ray
 from tests.conftest import REPO
 from tests.e2e.conftest import Server, _wait_ready
 
 PREFIX, SUBNET = "pdt", "127.102.0.0/24"
 HOSTS = ["head", "prefill", "decode0", "decode1"]
 API_KEY = "emulated-cluster-test-key"
+LAUNCHER = REPO / "deploy/ray/pdserve-cluster.yaml"
 
 
 @dataclass
@@ -64,12 +68,12 @@ def config_for_test(
     return path
 
 
-def bring_up(
-    work: Path, dtype: str = "float32", kv: dict | None = None, routers: int = 1
-) -> HostCluster:
-    """The cluster up, `pdserve serve` ready on the head with `routers` routers (the server's
-    `routers` list their URLs at the head's address, router 0 first)."""
-    try:  # a cluster left by an interrupted run: take it down first
+def hosts_up() -> EmulatedCluster:
+    """The four hosts up, Ray started on each with the launcher file's commands (a cluster left
+    by an interrupted run taken down first). The modules that serve on them share one
+    (`emulated_hosts` in tests/e2e/conftest.py): Ray's start on four hosts is half a minute of a
+    2-core machine, paid once."""
+    try:
         EmulatedCluster.find(PREFIX).down()
     except HostsError:
         pass
@@ -77,27 +81,47 @@ def bring_up(
     try:
         roles = {"head": "head", "prefill": "prefill_gpu"}
         roles |= {"decode0": "decode_gpu", "decode1": "decode_gpu"}
-        start_ray(hosts, roles, REPO / "deploy/ray/pdserve-cluster.yaml")
-        ready, log = work / "ready.json", work / "serve.log"
-        env = cluster_env(hosts, "head") | {
-            "PDSERVE_API_KEY": API_KEY,
-            "VLLM_RPC_BASE_PATH": str(work),
-            "PYTHONUNBUFFERED": "1",
-        }
-        command = [sys.executable, "-m", "pdserve.cli", "serve"]
-        command += [
-            "--config",
-            str(config_for_test(work, dtype, kv, routers)),
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-        ]
-        with log.open("w") as out:
-            serve = hosts.popen(
-                "head", [*command, "--ready-file", str(ready)], stdout=out,
-                stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+        start_ray(hosts, roles, LAUNCHER)
+    except BaseException:
+        hosts.down()
+        raise
+    return hosts
+
+
+def bring_up(
+    hosts: EmulatedCluster,
+    work: Path,
+    dtype: str = "float32",
+    kv: dict | None = None,
+    routers: int = 1,
+) -> HostCluster:
+    """`pdserve serve` ready on the head of `hosts` with `routers` routers (the server's `routers`
+    list their URLs at the head's address, router 0 first). A host whose raylet has ended (Ray
+    declared it dead while an earlier module had its cable out) gets Ray started again first."""
+    for host in hosts:
+        if not any("raylet" in _name(pid) for pid in hosts.pids(host.name)):
+            restart_host(hosts, host.name, LAUNCHER)
+    ready, log = work / "ready.json", work / "serve.log"
+    env = cluster_env(hosts, "head") | {
+        "PDSERVE_API_KEY": API_KEY,
+        "VLLM_RPC_BASE_PATH": str(work),
+        "PYTHONUNBUFFERED": "1",
+    }
+    command = [sys.executable, "-m", "pdserve.cli", "serve"]
+    command += [
+        "--config",
+        str(config_for_test(work, dtype, kv, routers)),
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+    ]
+    with log.open("w") as out:
+        serve = hosts.popen(
+            "head", [*command, "--ready-file", str(ready)], stdout=out,
+            stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
         urls = _wait_ready(serve, ready, log)
         head = hosts.address("head")
 
@@ -112,14 +136,18 @@ def bring_up(
         server = Server(url, serve, log, model, "", headers, routers=each)
         return HostCluster(hosts, server, serve)
     except BaseException:
-        hosts.down()
+        _stop(hosts, serve)
         raise
 
 
 def tear_down(cluster: HostCluster) -> list[str]:
-    """Stop the router (it stops its engines), then every host; returns what was still running
-    on a host when its processes were ended."""
-    serve = cluster.serve
+    """Stop the router (it stops its engines; the hosts and their Ray stay up for the next
+    module); returns the engine processes still running on a host 30 s later, which are then
+    ended."""
+    return _stop(cluster.hosts, cluster.serve)
+
+
+def _stop(hosts: EmulatedCluster, serve: subprocess.Popen) -> list[str]:
     if serve.poll() is None:
         serve.terminate()
         try:
@@ -127,19 +155,22 @@ def tear_down(cluster: HostCluster) -> list[str]:
         except subprocess.TimeoutExpired:
             serve.kill()
 
-    def engines_left() -> list[str]:
+    def engines() -> list[tuple[str, int]]:
         return [
-            f"{host.name}: {pid} {_name(pid)}"
-            for host in cluster.hosts
-            for pid in cluster.hosts.pids(host.name)
+            (host.name, pid)
+            for host in hosts
+            for pid in hosts.pids(host.name)
             if _name(pid).startswith(("ray::DecodeNode", "ray::PrefillNode", "VLLM"))
         ]
 
     deadline = time.monotonic() + 30
-    while (left := engines_left()) and time.monotonic() < deadline:
+    while (left := engines()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    cluster.hosts.down()
-    return left
+    said = [f"{host}: {pid} {_name(pid)}" for host, pid in left]
+    for _, pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return said
 
 
 def _name(pid: int) -> str:

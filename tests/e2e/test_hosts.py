@@ -41,8 +41,8 @@ continuation's prefill on a loaded 2-core machine)."""
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cluster = bring_up(tmp_path_factory.mktemp("hosts"), routers=2)
+def cluster(default_model_dir, emulated_hosts, tmp_path_factory):
+    cluster = bring_up(emulated_hosts, tmp_path_factory.mktemp("hosts"), routers=2)
     yield cluster
     left = tear_down(cluster)
     assert left == [], f"engine processes left on the hosts: {left}"

@@ -24,8 +24,8 @@ NIXL = {"transport": "nixl", "ucx": {"TLS": "tcp"}}
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    cluster = bring_up(tmp_path_factory.mktemp("hosts-nixl"), kv=NIXL)
+def cluster(default_model_dir, emulated_hosts, tmp_path_factory):
+    cluster = bring_up(emulated_hosts, tmp_path_factory.mktemp("hosts-nixl"), kv=NIXL)
     yield cluster
     left = tear_down(cluster)
     assert left == [], f"engine processes left on the hosts: {left}"
