@@ -1,8 +1,9 @@
-"""The emulated cluster of tests/e2e/test_hosts.py (four network namespaces, Ray on each,
-deploy/config/cluster-cpu.yaml) with `kv_transfer.transport: nixl`: every request's KV is READ
-by NIXL across the prefill host's link (UCX over TCP, `kv_transfer.ucx: {TLS: tcp}` — on one
-machine UCX would otherwise read the other namespace's memory directly, around the link), counted
-on both sides; and the prefill host's cable pulled during a READ costs the client nothing."""
+"""The emulated cluster of tests/e2e/test_hosts.py (the same four network namespaces and their
+Ray, `emulated_hosts`; deploy/config/cluster-cpu.yaml) with `kv_transfer.transport: nixl`:
+every request's KV is READ by NIXL across the prefill host's link (UCX over TCP,
+`kv_transfer.ucx: {TLS: tcp}` — on one machine UCX would otherwise read the other namespace's
+memory directly, around the link), counted on both sides; and the prefill host's cable pulled
+during a READ costs the client nothing."""
 
 from __future__ import annotations
 
