@@ -102,15 +102,27 @@ def finish_server(server: Server) -> None:
         assert leftovers == [], f"processes left after SIGTERM: {leftovers}"
 
 
-@pytest.fixture(scope="session")
+_HOSTS: list = []
+"""The emulated hosts while they are up (at most one cluster)."""
+
+
+@pytest.fixture(scope="module")
 def emulated_hosts():
-    """Four emulated hosts with Ray on each (tests/e2e/hosts.py), shared by the modules that serve
-    on them; taken down at the session's end."""
+    """Four emulated hosts with Ray on each (tests/e2e/hosts.py), brought up by the first module
+    that serves on them and kept for the next (test_hosts, then test_hosts_nixl); taken down
+    after the last test that uses them, as their idle Ray keeps 2.8 % of a 2-core machine busy."""
     from tests.e2e.hosts import hosts_up
 
-    hosts = hosts_up()
-    yield hosts
-    hosts.down()
+    if not _HOSTS:
+        _HOSTS.append(hosts_up())
+    return _HOSTS[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's own fixtures (its `pdserve serve`) end first
+    if _HOSTS and (nextitem is None or "emulated_hosts" not in nextitem.fixturenames):
+        _HOSTS.pop().down()
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,7 @@ def config_for_test(
 def hosts_up() -> EmulatedCluster:
     """The four hosts up, Ray started on each with the launcher file's commands (a cluster left
     by an interrupted run taken down first). The modules that serve on them share one
-    (`emulated_hosts` in tests/e2e/conftest.py): Ray's start on four hosts is half a minute of a
+    (`emulated_hosts` in tests/e2e/conftest.py): Ray's start on four hosts is 15 s of a
     2-core machine, paid once."""
     try:
         EmulatedCluster.find(PREFIX).down()
