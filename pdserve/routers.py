@@ -1,9 +1,9 @@
 """Several routers over one set of pools (`router.replicas`): the keeper, and one router process.
 
-With `router.replicas` N > 1, `pdserve serve` places and starts the nodes as always, then runs N
-router processes (`python -m pdserve.serve`: `pdserve.serve.router_process`), each told its part
-on stdin (the config, Ray's address and namespace, the nodes' names and what each said at its
-start), and keeps them:
+With `router.replicas` N > 1, `pdserve serve` starts N router processes (`python -m
+pdserve.serve`: `pdserve.serve.router_process`) with the nodes, so that each imports vLLM's front
+while the engines build; once the nodes are up it tells each its part on stdin (the config, Ray's
+address and namespace, the nodes' names and what each said at its start), and keeps them:
 
 - router i serves HTTP on `router.http_port` + i and gRPC on `router.grpc_port` + i (each a free
   port where the config says 0), and prints one line when it serves: its ports and pid;
@@ -67,6 +67,44 @@ class _Router:
     http_port: int
     grpc_port: int
     process: asyncio.subprocess.Process | None = None
+    waiting: bool = False
+    """`process` was started ahead (`spawn`) and waits for its task."""
+
+
+async def spawn(index: int) -> asyncio.subprocess.Process:
+    """Router `index`'s process: it imports what it serves with (vLLM's front, 5-10 s on a small
+    CPU host), then waits for its task on stdin. `pdserve serve` starts them with the engines,
+    so that a router has imported by the time the nodes are up."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pdserve.serve",
+        str(index),
+        str(os.getpid()),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _spawn_all(count: int) -> list[asyncio.subprocess.Process]:
+    return [await spawn(index) for index in range(count)]
+
+
+@contextlib.contextmanager
+def started_ahead(count: int):
+    """Yields an event loop (`asyncio.Runner`) and `count` router processes spawned on it, for
+    `Keeper(..., spawned=...)` and `keep` on the same loop. On the way out, a process still
+    waiting (the start failed before the keeper took it) is killed, and the loop closed."""
+    with asyncio.Runner() as runner:
+        processes = runner.run(_spawn_all(count))
+        try:
+            yield runner, processes
+        finally:
+            for process in processes:
+                if process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    runner.run(process.wait())
 
 
 class Keeper:
@@ -80,16 +118,18 @@ class Keeper:
         infos: dict[str, list],
         model: tuple[Path, str],
         scaling: tuple[dict[str, list], Any] | None = None,
+        spawned: list[asyncio.subprocess.Process] | None = None,
     ) -> None:
         """`scaling`: with `pools.autoscale`, the nodes as the router sees them (role -> `Node`)
-        and the factory that starts and stops nodes: the keeper then decides for the routers."""
+        and the factory that starts and stops nodes: the keeper then decides for the routers.
+        `spawned`: router i's process for each i, started ahead (`spawn`) on the loop `keep`
+        will run on; the keeper starts its own where there are none."""
         kv = config.kv_transfer.model_copy(update={"secret": secret})
         self._config = config.model_copy(update={"kv_transfer": kv})
         context = ray.get_runtime_context()
         self._part = {
             "ray_address": context.gcs_address,
             "namespace": context.namespace,
-            "keeper": os.getpid(),
             "model_dir": str(model[0]),
             "served": model[1],
             "nodes": {pool: [dataclasses.asdict(info) for info in infos[pool]] for pool in pools},
@@ -98,6 +138,8 @@ class Keeper:
         self._routers = [  # port 0 stays 0: a free port each
             _Router(i, http and http + i, grpc and grpc + i) for i in range(config.router.replicas)
         ]
+        for router, process in zip(self._routers, spawned or (), strict=False):
+            router.process, router.waiting = process, True
         self._stop = asyncio.Event()
         self._scaling = None if scaling is None else _Scaling(config, *scaling, self._tell)
 
@@ -107,32 +149,31 @@ class Keeper:
         config = self._config.model_copy(
             update={"router": self._config.router.model_copy(update=ports)}
         )
-        task = {**self._part, "index": router.index, "config": config.model_dump(mode="json")}
+        task = {**self._part, "config": config.model_dump(mode="json")}
         if self._scaling is not None:  # the pools as they are now
             task["nodes"] = self._scaling.roster
         return json.dumps(task).encode() + b"\n"
 
     def _tell(self, message: dict) -> None:
-        """One line to every router that runs (the keeper's decisions, router/roster.py)."""
+        """One line to every router that runs (the keeper's decisions, router/roster.py); not to
+        one still waiting for its task, which carries the roster of its time."""
         line = json.dumps(message).encode() + b"\n"
         for router in self._routers:
             process = router.process
-            if process is not None and process.returncode is None:
+            if process is not None and process.returncode is None and not router.waiting:
                 with contextlib.suppress(ConnectionError, RuntimeError):  # it is exiting
                     process.stdin.write(line)
 
     async def _start(self, router: _Router) -> dict:
-        """Start `router`'s process and wait for its line saying where it serves."""
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "pdserve.serve",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        router.process = process
-        process.stdin.write(self._task(router))  # stdin stays open: the keeper's word follows
-        await process.stdin.drain()
+        """Start `router`'s process (or take the one started ahead) and wait for its line saying
+        where it serves."""
+        if not router.waiting:
+            router.process = await spawn(router.index)
+        router.waiting = False
+        process = router.process
+        with contextlib.suppress(ConnectionError):  # it died waiting: its stdout says so below
+            process.stdin.write(self._task(router))  # stdin stays open: the keeper's word follows
+            await process.stdin.drain()
         try:
             line = await asyncio.wait_for(process.stdout.readline(), READY_TIMEOUT_S)
         except TimeoutError:

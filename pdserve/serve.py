@@ -1,7 +1,9 @@
 """`pdserve serve`: start (or join) Ray, place the engine pools, and serve the router's APIs.
 
-Order of events: resolve the model folder → Ray → engine actors (started in parallel, each
-with a start deadline) → router HTTP server → "ready" log line (and optional ready file) →
+Order of events: resolve the model folder → Ray, while vLLM's front checks the front-end flags
+(a bad flag stops here, before any engine) → router processes, if several (they import while the
+engines start) → engine actors (started in parallel, each with a start deadline) → router HTTP
+server → "ready" log line (and optional ready file) →
 serve until SIGINT/SIGTERM → stop the HTTP server, shut the engines down, kill their actors,
 and shut down the Ray this process started. A signal during start-up takes the same clean-up path.
 """
@@ -9,6 +11,7 @@ and shut down the Ray this process started. A signal during start-up takes the s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -348,23 +351,63 @@ def _follower(lines, dispatcher, reach, count=None):
     return listen
 
 
+def _check_front_flags(config: PDServeConfig, model_dir: str, served: str) -> str | None:
+    """vLLM's own check of the front-end flags (`router.vllm_args`): what is wrong, or None. Run
+    while Ray starts (under umask 0077, `ray_token_private`): importing vLLM's front and parsing
+    its flags write no file but a private temporary one (vLLM 0.32, traced)."""
+    from router.faces.vllm_face import front_flags, vllm_args
+
+    try:
+        vllm_args(model_dir, served, front_flags(config))
+    except (TypeError, ValueError) as error:
+        return str(error)
+    except SystemExit:  # its argparse's exit, in this thread
+        return f"vLLM's parser refused {config.router.vllm_args} (its message above)"
+    return None
+
+
 def run(config: PDServeConfig, ready_file: str | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     model_dir = resolve_model(config)
     config = with_planned_chunk(config, model_dir)
     served = config.router.served_model_name or model_dir.name
-    try:  # vLLM's own check of its front-end flags, before any engine starts
-        from router.faces.vllm_face import front_flags, vllm_args
-
-        vllm_args(str(model_dir), served, front_flags(config))
-    except (TypeError, ValueError) as error:
-        logger.error("router.vllm_args: %s", error)
-        return 2
     advice = None if config.layout.auto else layout_advice(config)  # auto: laid out by the CLI
     if advice:
         logger.warning("layout: %s", advice)
-    owns_ray = _init_ray(config)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flags") as pool:
+        checked = pool.submit(_check_front_flags, config, str(model_dir), served)
+        owns_ray = _init_ray(config)  # while vLLM's front is imported and checks the flags
+        problem = checked.result()
+    if problem:  # before any engine starts
+        logger.error("router.vllm_args: %s", problem)
+        if owns_ray:
+            ray.shutdown()
+        return 2
+    try:
+        ahead = contextlib.nullcontext()
+        if config.router.replicas > 1:  # they import vLLM's front while the engines start
+            from pdserve.routers import started_ahead
+
+            ahead = started_ahead(config.router.replicas)  # under Ray's settings (its auth)
+        with ahead as routers:
+            return _start_and_serve(config, (model_dir, served), ready_file, started, routers)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+        logger.info("pdserve stopped")
+
+
+def _start_and_serve(
+    config: PDServeConfig,
+    model: tuple[Path, str],
+    ready_file: str | None,
+    started: float,
+    routers: tuple[asyncio.Runner, list] | None,
+) -> int:
+    """The engines, then the router (or the keeper of `routers`: their loop and their processes,
+    started ahead), serving until SIGINT/SIGTERM; the engines stopped whatever happens."""
+    model_dir, served = model
     actors: list = []
     try:
         secret = config.kv_transfer.secret or secrets.token_hex(32)
@@ -415,9 +458,10 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
                 factory = RayNodeFactory(config, model_dir, served, secret, actors)
                 scaling = (_members(config, pools, infos, secret), factory)
                 _log_autoscale(config)
-            keeper = Keeper(config, secret, pools, infos, (model_dir, served), scaling)
+            runner, spawned = routers
+            keeper = Keeper(config, secret, pools, infos, (model_dir, served), scaling, spawned)
             try:
-                asyncio.run(keeper.keep(ready))
+                runner.run(keeper.keep(ready))
             except RuntimeError as error:  # a router that could not start (its log says why)
                 logger.error("%s; shutting down", error)
                 return 1
@@ -433,22 +477,38 @@ def run(config: PDServeConfig, ready_file: str | None = None) -> int:
         return 0
     finally:
         _stop_actors(actors)
-        if owns_ray:
-            ray.shutdown()
-        logger.info("pdserve stopped")
 
 
-def router_process() -> int:
-    """One router of several (`router.replicas`, pdserve/routers.py): read its task on stdin,
-    join the run's Ray, find the nodes by name, serve until SIGTERM."""
+def _import_front() -> None:
+    """What a router serves with, imported before its task comes: vLLM's front most of all."""
+    import uvicorn  # noqa: F401
+
+    import router.build  # noqa: F401
+    import router.faces.grpc_api  # noqa: F401
+    import router.faces.vllm_face  # noqa: F401
+    import router.service  # noqa: F401
+
+
+def router_process(argv: list[str]) -> int:
+    """One router of several (`router.replicas`, pdserve/routers.py), `python -m pdserve.serve
+    INDEX KEEPER_PID`: import what it serves with, read its task on stdin, join the run's Ray,
+    find the nodes by name, serve until SIGTERM."""
     from pdserve.routers import die_with
 
+    if len(argv) != 2 or not all(arg.isdigit() for arg in argv):
+        raise SystemExit(
+            "usage: python -m pdserve.serve INDEX KEEPER_PID (started by pdserve serve)"
+        )
+    index, keeper = map(int, argv)
+    logging.basicConfig(level=logging.INFO, format=f"router {index}: {LOG_FORMAT}")
+    die_with(keeper)
     to_keeper = os.dup(1)  # the keeper reads one line here: where this router serves
     os.dup2(2, 1)  # anything else printed goes to the log
-    task: dict[str, Any] = json.loads(sys.stdin.readline())  # then its word, line by line
-    index = task["index"]
-    logging.basicConfig(level=logging.INFO, format=f"router {index}: {LOG_FORMAT}")
-    die_with(task["keeper"])
+    _import_front()
+    line = sys.stdin.readline()  # its task, then the keeper's word, line by line
+    if not line:  # the keeper's start failed before it had nodes to tell of
+        return 0
+    task: dict[str, Any] = json.loads(line)
     config = PDServeConfig.model_validate(task["config"])
     with ray_token_private():
         ray.init(
@@ -481,4 +541,4 @@ def router_process() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(router_process())
+    sys.exit(router_process(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""How `pdserve serve` starts (pdserve/serve.py): vLLM's front checks the front-end flags while
+Ray starts, and a bad one stops the start before any engine, Ray taken down; router processes
+(`router.replicas`, pdserve/routers.py) start ahead and wait for their task while the engines
+start, and none outlives a start that failed before the keeper took it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdserve.routers import started_ahead
+
+
+def _processes_of(work: Path) -> list[psutil.Process]:
+    """Every process started with `VLLM_RPC_BASE_PATH=work` (the server and what it started)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("VLLM_RPC_BASE_PATH") == str(work):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_a_bad_front_flag_stops_the_start_before_any_engine_and_takes_ray_down(tmp_path):
+    ready = tmp_path / "ready.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--grpc-port", "0"]
+        + ["--ready-file", str(ready), "--set", 'router.vllm_args=["--no-such-flag"]'],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, VLLM_RPC_BASE_PATH=str(tmp_path)),
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "router.vllm_args" in done.stderr and "--no-such-flag" in done.stderr
+    assert "started a local Ray" in done.stderr  # it started while the flags were checked
+    assert " up in " not in done.stderr  # no engine started
+    assert not ready.exists()
+    assert _processes_of(tmp_path) == []  # Ray's processes went with it
+
+
+def test_routers_started_ahead_wait_for_their_task_and_end_with_a_failed_start():
+    with pytest.raises(RuntimeError, match="the engines did not start"):
+        with started_ahead(2) as (runner, processes):
+            pids = [process.pid for process in processes]
+            assert len(pids) == 2
+            children = {child.pid for child in psutil.Process().children()}
+            assert set(pids) <= children  # this process's children: they die with it
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # importing, then waiting on stdin: not exiting
+                assert all(process.returncode is None for process in processes)
+                time.sleep(0.2)
+            raise RuntimeError("the engines did not start")
+    assert all(process.returncode is not None for process in processes)
+    assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _router_by_hand(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize("argv", [[], ["0"], ["zero", "1"]])
+def test_a_router_process_started_by_hand_says_how_it_is_started(argv):
+    done = _router_by_hand(*argv)
+    assert done.returncode != 0
+    assert "usage: python -m pdserve.serve INDEX KEEPER_PID" in done.stderr
+
+
+def test_a_router_whose_keeper_is_gone_exits():
+    """The keeper's pid given is not its parent's (the keeper died before it started)."""
+    done = _router_by_hand("0", str(os.getpid() + 10**6))
+    assert done.returncode != 0
+    assert "its keeper is gone" in done.stderr
