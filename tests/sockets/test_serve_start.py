@@ -5,9 +5,11 @@ start, and none outlives a start that failed before the keeper took it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import psutil
 import pytest
 
 from pdserve.routers import started_ahead
+from pdserve_core.config import PDServeConfig
+from tests.conftest import REPO
 
 
 def _processes_of(work: Path) -> list[psutil.Process]:
@@ -93,3 +97,62 @@ def test_a_router_whose_keeper_is_gone_exits():
     done = _router_by_hand("0", str(os.getpid() + 10**6))
     assert done.returncode != 0
     assert "its keeper is gone" in done.stderr
+
+
+SPAWN_AFTER_RAY = r"""
+import psutil, ray
+from pdserve_core.config import PDServeConfig
+from pdserve.routers import started_ahead
+from pdserve.serve import _init_ray
+
+_init_ray(PDServeConfig.model_validate({"ray": {"num_cpus": 1}}))
+with started_ahead(1) as (runner, (router,)):
+    print("MODE", psutil.Process(router.pid).environ().get("RAY_AUTH_MODE"))
+ray.shutdown()
+"""
+
+
+def test_a_router_started_after_ray_has_its_token_authentication(tmp_path):
+    """With RAY_AUTH_MODE unset (Ray's default: token authentication for a new local cluster),
+    Ray turns token mode on in the environment of the process that starts it; a router joins
+    with a Ray address (no auto-detection), so only that environment tells it to send the
+    token. A router started before Ray could not join (seen: `InvalidAuthToken`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    with tempfile.TemporaryDirectory(prefix="pdr-", dir="/tmp") as short:  # socket paths: short
+        env |= {"HOME": str(tmp_path), "RAY_TMPDIR": short}
+        done = subprocess.run(
+            [sys.executable, "-c", SPAWN_AFTER_RAY],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+            cwd=REPO,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MODE token" in done.stdout.splitlines()
+
+
+def test_serve_starts_the_routers_after_ray(monkeypatch):
+    """The order `run` keeps (the reason is above): Ray, then the routers started ahead."""
+    from pdserve import serve
+
+    order: list[str] = []
+
+    @contextlib.contextmanager
+    def routers(count):
+        order.append(f"routers {count}")
+        yield "loop", ["processes"]
+
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(serve, "resolve_model", lambda config: Path("/models/m"))
+    monkeypatch.setattr(serve, "with_planned_chunk", lambda config, model_dir: config)
+    monkeypatch.setattr(serve, "_check_front_flags", lambda *args: order.append("flags"))
+    monkeypatch.setattr(serve, "_init_ray", lambda config: order.append("ray") and False)
+    monkeypatch.setattr("pdserve.routers.started_ahead", routers)
+    monkeypatch.setattr(
+        serve, "_start_and_serve", lambda *args: order.append(f"serve {args[-1]}") or 0
+    )
+    config = PDServeConfig.model_validate({"router": {"replicas": 2}})
+    assert serve.run(config) == 0
+    assert order.index("ray") < order.index("routers 2")
+    assert order[-1] == "serve ('loop', ['processes'])"
