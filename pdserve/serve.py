@@ -504,7 +504,9 @@ def router_process(argv: list[str]) -> int:
     die_with(keeper)
     to_keeper = os.dup(1)  # the keeper reads one line here: where this router serves
     os.dup2(2, 1)  # anything else printed goes to the log
+    began = time.monotonic()
     _import_front()
+    logger.info("imported in %.1f s; waiting for the nodes", time.monotonic() - began)
     line = sys.stdin.readline()  # its task, then the keeper's word, line by line
     if not line:  # the keeper's start failed before it had nodes to tell of
         return 0

@@ -9,7 +9,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import pytest
 
 from pdserve.routers import started_ahead
 from pdserve_core.config import PDServeConfig
-from tests.conftest import REPO
 
 
 def _processes_of(work: Path) -> list[psutil.Process]:
@@ -52,20 +50,27 @@ def test_a_bad_front_flag_stops_the_start_before_any_engine_and_takes_ray_down(t
     assert _processes_of(tmp_path) == []  # Ray's processes went with it
 
 
-def test_routers_started_ahead_wait_for_their_task_and_end_with_a_failed_start():
+WAITING_DEADLINE_S = 120
+"""Two routers importing vLLM's front at once on a 2-core host: 10-15 s."""
+
+
+def test_routers_started_ahead_wait_for_their_task_and_end_with_a_failed_start(capfd):
+    said = ""
     with pytest.raises(RuntimeError, match="the engines did not start"):
         with started_ahead(2) as (runner, processes):
             pids = [process.pid for process in processes]
-            assert len(pids) == 2
             children = {child.pid for child in psutil.Process().children()}
-            assert set(pids) <= children  # this process's children: they die with it
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:  # importing, then waiting on stdin: not exiting
-                assert all(process.returncode is None for process in processes)
-                time.sleep(0.2)
+            assert len(pids) == 2 and set(pids) <= children  # they die with this process
+            deadline = time.monotonic() + WAITING_DEADLINE_S
+            while said.count("waiting for the nodes") < 2 and time.monotonic() < deadline:
+                said += capfd.readouterr().err  # their log: this process's stderr
+                time.sleep(0.1)
+            assert "router 0: " in said and "router 1: " in said, said[-2000:]
+            assert said.count("waiting for the nodes") == 2, said[-2000:]
+            assert all(_alive(pid) for pid in pids)  # imported, and waiting for their task
             raise RuntimeError("the engines did not start")
     assert all(process.returncode is not None for process in processes)
-    assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in pids)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
@@ -99,41 +104,9 @@ def test_a_router_whose_keeper_is_gone_exits():
     assert "its keeper is gone" in done.stderr
 
 
-SPAWN_AFTER_RAY = r"""
-import psutil, ray
-from pdserve_core.config import PDServeConfig
-from pdserve.routers import started_ahead
-from pdserve.serve import _init_ray
-
-_init_ray(PDServeConfig.model_validate({"ray": {"num_cpus": 1}}))
-with started_ahead(1) as (runner, (router,)):
-    print("MODE", psutil.Process(router.pid).environ().get("RAY_AUTH_MODE"))
-ray.shutdown()
-"""
-
-
-def test_a_router_started_after_ray_has_its_token_authentication(tmp_path):
-    """With RAY_AUTH_MODE unset (Ray's default: token authentication for a new local cluster),
-    Ray turns token mode on in the environment of the process that starts it; a router joins
-    with a Ray address (no auto-detection), so only that environment tells it to send the
-    token. A router started before Ray could not join (seen: `InvalidAuthToken`)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    with tempfile.TemporaryDirectory(prefix="pdr-", dir="/tmp") as short:  # socket paths: short
-        env |= {"HOME": str(tmp_path), "RAY_TMPDIR": short}
-        done = subprocess.run(
-            [sys.executable, "-c", SPAWN_AFTER_RAY],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=180,
-            cwd=REPO,
-        )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "MODE token" in done.stdout.splitlines()
-
-
 def test_serve_starts_the_routers_after_ray(monkeypatch):
-    """The order `run` keeps (the reason is above): Ray, then the routers started ahead."""
+    """The order `run` keeps: Ray, then the routers started ahead, which so inherit Ray's token
+    authentication (tests/sockets/test_ray_token.py)."""
     from pdserve import serve
 
     order: list[str] = []
