@@ -90,7 +90,9 @@ class Membership:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 # what any router's requests left there, read with the health and the stats
                 seen = node.blocks_seen if self.prefix_aware else None
+                asked = clock.now()
                 healthy, node.stats, blocks = await node.client.checkup(seen)
+                node.stats_asked = asked
                 self.pool.hearing.heard(node)
                 node.reported = True
                 held = node.stats.running + node.stats.waiting

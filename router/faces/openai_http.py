@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve_core.engine.types import STEP_FIELDS
+from router import clock
 from router.errors import (
     NodeFailed,
     Overloaded,
@@ -191,7 +192,7 @@ def _check_auth(api_key: str | None, request: Request) -> None:
 
 def _node_view(node) -> dict:
     """What /health says of one node: health, process, and its last reported load."""
-    stats = node.stats
+    stats, asked = node.stats, node.stats_asked
     return {
         "name": node.name,
         "healthy": node.healthy,
@@ -209,6 +210,7 @@ def _node_view(node) -> dict:
         "handovers": stats.handovers_total,
         "handovers_recomputed": stats.handovers_recomputed_total,
         "last_recompute": stats.last_recompute or None,
+        "stats_age_s": None if asked is None else round(clock.now() - asked, 3),
     }
 
 

@@ -111,6 +111,9 @@ class Node:
     """What the node reported in its last health check."""
     reported: bool = False
     """Whether the node has reported stats yet."""
+    stats_asked: float | None = None
+    """When (router clock) the health check that brought `stats` asked for them: they count
+    everything the node did before then."""
     restarting: bool = False
     failed_starts: int = 0
     """Engine builds that failed in a row (the next waits longer: router/pools.py)."""

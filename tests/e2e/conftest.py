@@ -282,6 +282,25 @@ NODE_STATS_DEADLINE_S = 10.0
 """How long a node counter may take to reach /metrics: the router polls node stats each second."""
 
 
+def node_stats_settled(server: Server) -> None:
+    """Return once every healthy node's figures on the router (/health, /metrics) were asked for
+    after this call began: they count all the node did before it, so a counter read next holds
+    every request that ended before the call (the router polls node stats each second)."""
+    start = time.monotonic()
+    deadline = start + NODE_STATS_DEADLINE_S
+    while True:
+        sent = time.monotonic()  # the router's clock is this host's monotonic clock
+        answer = httpx.get(f"{server.url}/health", headers=server.headers, timeout=10)
+        nodes = [n for pool in answer.json()["pools"].values() for n in pool["nodes"]]
+        ages = [n["stats_age_s"] for n in nodes if n["healthy"]]
+        # asked at (router's now) - age, and the router's now is past `sent`
+        if ages and all(age is not None and sent - age > start + 0.01 for age in ages):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"node stats not renewed in {NODE_STATS_DEADLINE_S} s: {nodes}")
+        time.sleep(0.2)
+
+
 def metric_reaching(server: Server, name: str, floor: float, **labels: str) -> float:
     """The sample once it is at least `floor`, or as it stands after `NODE_STATS_DEADLINE_S`
     (a node's counters reach the router with its next stats poll, not with the response)."""

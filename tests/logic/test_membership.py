@@ -133,6 +133,43 @@ async def test_a_health_check_is_one_call_to_the_node_with_its_stats_and_block_l
         assert node.blocks_seen == (2 if prefix_aware else 0)
 
 
+async def test_a_nodes_figures_are_dated_when_they_were_asked_for():
+    """/health's `stats_age_s` dates a node's figures from when its check asked for them (what
+    the node did after that is not in them), not from when the answer came; none before the
+    first answer, and a check that failed leaves the last date."""
+    from router import clock
+    from router.faces.openai_http import _node_view
+
+    fake = FakeNode("d0")
+    decode = pool("decode", fake)
+    checks = membership(decode)
+    node = decode.nodes[0]
+    assert _node_view(node)["stats_age_s"] is None
+    answer = asyncio.Event()
+    checkup = fake.checkup
+
+    async def slow_checkup(seen):
+        await answer.wait()
+        return await checkup(seen)
+
+    fake.checkup = slow_checkup
+    before = clock.now()
+    check = asyncio.create_task(checks.refresh(node))
+    await asyncio.sleep(0.3)  # the node thinks this long before it answers
+    answer.set()
+    await check
+    assert before <= node.stats_asked < before + 0.2
+    assert 0.3 <= _node_view(node)["stats_age_s"] < 5
+    asked = node.stats_asked
+
+    async def failing(seen):
+        raise RuntimeError("engine busy")
+
+    fake.checkup = failing
+    await checks.refresh(node)
+    assert node.stats_asked == asked and node.missed_checks == 1
+
+
 # ---- silent nodes: a cut link or a vanished host, long before Ray says so ----------------------
 
 
