@@ -95,9 +95,33 @@ def start_server(
         raise
 
 
+def assert_utilization_within_one(server: Server) -> None:
+    """Every node's compute and bandwidth utilization on the router's /metrics lies in [0, 1]:
+    the peaks are measured in the engine's dtype with its threads, and a step that beats them
+    raises them (router/metrics/cluster.py). Checked on each server as it ends, so every run of
+    the suite checks it on its host, whatever the host's dtype."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    answer = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10)
+    answer.raise_for_status()
+    names = ("pdserve_node_compute_utilization_ratio", "pdserve_node_bandwidth_utilization_ratio")
+    ratios = {
+        (sample.name, sample.labels.get("node")): sample.value
+        for family in text_string_to_metric_families(answer.text)
+        for sample in family.samples
+        if sample.name in names
+    }
+    assert ratios, "no node's utilization on /metrics"  # every server here has served
+    outside = {key: value for key, value in ratios.items() if not 0.0 <= value <= 1.0}
+    assert not outside, f"utilization outside [0, 1]: {outside}"
+
+
 def finish_server(server: Server) -> None:
     if server.process.poll() is None:
-        leftovers = stop_and_check_nothing_left(server.process)
+        try:
+            assert_utilization_within_one(server)
+        finally:  # stopped whatever the metrics say
+            leftovers = stop_and_check_nothing_left(server.process)
         assert server.process.returncode == 0, server.log.read_text()[-3000:]
         assert leftovers == [], f"processes left after SIGTERM: {leftovers}"
 

@@ -21,7 +21,7 @@ import yaml
 from pdserve.hosts import EmulatedCluster, HostsError
 from pdserve.hosts.ray_hosts import cluster_env, restart_host, start_ray
 from tests.conftest import REPO
-from tests.e2e.conftest import Server, _wait_ready
+from tests.e2e.conftest import Server, _wait_ready, assert_utilization_within_one
 
 PREFIX, SUBNET = "pdt", "127.102.0.0/24"
 HOSTS = ["head", "prefill", "decode0", "decode1"]
@@ -144,7 +144,12 @@ def tear_down(cluster: HostCluster) -> list[str]:
     """Stop the router (it stops its engines; the hosts and their Ray stay up for the next
     module); returns the engine processes still running on a host 30 s later, which are then
     ended."""
-    return _stop(cluster.hosts, cluster.serve)
+    try:
+        if cluster.serve.poll() is None:
+            assert_utilization_within_one(cluster.server)
+    finally:  # stopped whatever the metrics say
+        left = _stop(cluster.hosts, cluster.serve)
+    return left
 
 
 def _stop(hosts: EmulatedCluster, serve: subprocess.Popen) -> list[str]:
