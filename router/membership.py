@@ -94,7 +94,6 @@ class Membership:
                 healthy, node.stats, blocks = await node.client.checkup(seen)
                 node.stats_asked = asked
                 self.pool.hearing.heard(node)
-                node.reported = True
                 held = node.stats.running + node.stats.waiting
                 node.elsewhere = max(0, held - node.outstanding)
                 if blocks is not None:

@@ -109,11 +109,9 @@ class Node:
     a token of yet: the prefill work queued there (router/decides/placement.py)."""
     stats: NodeStats = field(default_factory=NodeStats)
     """What the node reported in its last health check."""
-    reported: bool = False
-    """Whether the node has reported stats yet."""
     stats_asked: float | None = None
     """When (router clock) the health check that brought `stats` asked for them: they count
-    everything the node did before then."""
+    everything the node did before then. None until the node has reported."""
     restarting: bool = False
     failed_starts: int = 0
     """Engine builds that failed in a row (the next waits longer: router/pools.py)."""
@@ -136,6 +134,11 @@ class Node:
     (router/decides/prefixes.py)."""
     blocks_seen: int = 0
     """How far the router has read the node's block log (`NodeClient.prefix_blocks`)."""
+
+    @property
+    def reported(self) -> bool:
+        """Whether the node has reported stats yet."""
+        return self.stats_asked is not None
 
     def cached_tokens(self, prefix: Any) -> int:
         """Tokens at the start of `prefix` (a `router.decides.prefixes.Prefix`) this node is taken

@@ -100,15 +100,10 @@ def assert_utilization_within_one(server: Server) -> None:
     the peaks are measured in the engine's dtype with its threads, and a step that beats them
     raises them (router/metrics/cluster.py). Checked on each server as it ends, so every run of
     the suite checks it on its host, whatever the host's dtype."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    answer = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10)
-    answer.raise_for_status()
     names = ("pdserve_node_compute_utilization_ratio", "pdserve_node_bandwidth_utilization_ratio")
     ratios = {
         (sample.name, sample.labels.get("node")): sample.value
-        for family in text_string_to_metric_families(answer.text)
-        for sample in family.samples
+        for sample in samples(server)
         if sample.name in names
     }
     assert ratios, "no node's utilization on /metrics"  # every server here has served
@@ -288,17 +283,20 @@ def assert_rejected(server, path, body, raw, status, says, headers=None) -> None
     assert error["code"] == status
 
 
-def metric(server: Server, name: str, **labels: str) -> float:
-    """One sample of the router's /metrics (0 when the series is absent)."""
+def samples(server: Server) -> list:
+    """Every sample of one scrape of the router's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     answer = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10)
     answer.raise_for_status()
-    text = answer.text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
+    return [s for family in text_string_to_metric_families(answer.text) for s in family.samples]
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """One sample of the router's /metrics (0 when the series is absent)."""
+    for sample in samples(server):
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
     return 0.0
 
 

@@ -22,6 +22,7 @@ from tests.e2e.conftest import (
     finish_server,
     metric,
     node_stats_settled,
+    samples,
     start_server,
 )
 
@@ -132,13 +133,9 @@ def test_the_kv_crosses_on_mutual_tls(client, server):
         return metric(server, "pdserve_kv_transfer_bytes_total", direction=direction, pool=pool)
 
     def failures() -> float:  # every reason on every node
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
         return sum(
             sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
+            for sample in samples(server)
             if sample.name == "pdserve_kv_transfer_failures_total"
         )
 

@@ -178,7 +178,7 @@ def _node_stats(**overrides) -> NodeStats:
 
 
 def _node(name: str, stats: NodeStats, healthy: bool = True) -> Node:
-    return Node(name, client=None, healthy=healthy, stats=stats, reported=True)
+    return Node(name, client=None, healthy=healthy, stats=stats, stats_asked=0.0)
 
 
 def _pool(name: str, nodes: list[Node]) -> Pool:

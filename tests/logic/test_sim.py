@@ -290,7 +290,7 @@ def test_pool_scaler_moves_the_least_busy_node_and_counts_every_check():
 
     def node(name, busy, predicted, steps, **stats):
         n = Node(name, client=None)
-        n.reported = True
+        n.stats_asked = 0.0
         n.stats = NodeStats(max_num_seqs=64, **stats)
         n.history.extend(
             [
@@ -371,7 +371,7 @@ async def test_pool_scaler_adds_and_drains_nodes_through_its_factory():
 
     def node(name):
         n = Node(name, client=None)
-        n.reported = True
+        n.stats_asked = 0.0
         n.stats = NodeStats(max_num_seqs=4, running=4, waiting=4)  # pressure 2 either way
         n.history.extend([(0.0, {}), (1.0, {})])  # stats reported, no steps run
         return n

@@ -319,7 +319,7 @@ def test_window_step_times_and_the_exported_series():
 
     def node(name, busy, predicted, source):
         n = Node(name, client=None)
-        n.reported = True
+        n.stats_asked = 0.0
         n.stats = NodeStats(
             busy_seconds_total=busy,
             predicted_busy_seconds_total=predicted,
