@@ -267,8 +267,12 @@ class _NodeFamilies:
             self.peak_flops.add_metric([*key, source], stats.peak_flops)
             self.peak_bw.add_metric([*key, source], stats.peak_mem_bandwidth)
             if window is not None:
-                self.compute_util.add_metric(key, window.flops / stats.peak_flops)
-                self.bw_util.add_metric(key, window.bytes / stats.peak_mem_bandwidth)
+                # over the steps' own time when that is longer than the window: a step that began
+                # before the window, or a health check answered late, counts whole in it, and no
+                # step beats the peak (pdserve_core/engine/stats.py), so the ratios stay within one
+                span = max(1.0, window.busy)
+                self.compute_util.add_metric(key, window.flops / stats.peak_flops / span)
+                self.bw_util.add_metric(key, window.bytes / stats.peak_mem_bandwidth / span)
         if window is not None and window.bytes > 0:
             self.intensity.add_metric(key, window.flops / window.bytes)
         if node.healthy:

@@ -211,6 +211,28 @@ def test_pool_collector_exports_nodes_pools_and_balance():
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def test_utilization_stays_within_one_when_the_window_holds_more_step_time_than_its_length():
+    """Seen on a loaded prefill node (1.01): the window's counters held steps that began before
+    it (or came with a health check answered late), 1.2 s of steps in 1 s, each at the peak."""
+    stats = _node_stats(estimated_flops_total=1.2e11, estimated_bytes_total=1.2e10)
+    stats.busy_seconds_total = 1.2
+    node = _node("p0", stats)
+    node.history.extend([_sample(0), (1.0, counters(stats))])
+    pools = {"prefill": _pool("prefill", [node])}
+    metrics = RouterMetrics(pools, "disaggregated", tpot_target_s=0.1)
+    text = generate_latest(metrics.registry).decode()
+    ratios = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.endswith("_utilization_ratio")
+    }
+    assert ratios == {
+        "pdserve_node_compute_utilization_ratio": pytest.approx(1.0),
+        "pdserve_node_bandwidth_utilization_ratio": pytest.approx(1.0),
+    }
+
+
 def test_request_timer_observes_ttft_itl_and_tpot(monkeypatch):
     metrics = RouterMetrics({}, "colocated", tpot_target_s=0.1)
     clock = iter([1.5, 1.7, 2.1, 2.1])  # first token, +1 token, +2 tokens, finish
