@@ -319,7 +319,10 @@ def test_recording_rules_return_data_for_both_pools(prometheus):
     for rule in rules:
         per_pool = rule["record"].startswith("pool:")
         assert_data(prometheus, rule["expr"], per_pool, rule["record"])
-        assert_data(prometheus, rule["record"], per_pool, f"recorded {rule['record']}")
+        recorded = assert_data(prometheus, rule["record"], per_pool, f"recorded {rule['record']}")
+        if "utilization" in rule["record"]:
+            values = {s["metric"]["pool"]: float(s["value"][1]) for s in recorded}
+            assert all(0 <= value <= 1 for value in values.values()), (rule["record"], values)
 
 
 def test_alert_rule_expressions_return_data(prometheus):
