@@ -283,11 +283,13 @@ def assert_rejected(server, path, body, raw, status, says, headers=None) -> None
     assert error["code"] == status
 
 
-def samples(server: Server) -> list:
-    """Every sample of one scrape of the router's /metrics."""
+def samples(server: Server, router: int | None = None) -> list:
+    """Every sample of one scrape of the router's /metrics: the one the tests speak to, or with
+    `router`, that router of the server's (`--routers`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    answer = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10)
+    url = server.url if router is None else server.routers[router]["http"]
+    answer = httpx.get(f"{url}/metrics", headers=server.headers, timeout=10)
     answer.raise_for_status()
     return [s for family in text_string_to_metric_families(answer.text) for s in family.samples]
 

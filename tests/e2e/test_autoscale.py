@@ -15,9 +15,10 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import finish_server, start_server
+from tests.e2e.conftest import finish_server, metric, start_server
 
 MOVE_DEADLINE_S = 180
+DECISIONS = "pdserve_autoscale_decisions_total"
 PROMPT_TOKENS = 1200
 
 
@@ -72,12 +73,6 @@ def _pools(server) -> dict:
     return {name: [n["name"] for n in pool["nodes"]] for name, pool in state.items()}
 
 
-def _metric(server, pattern: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    found = re.search(pattern + r" ([0-9.e+-]+)", text)
-    return float(found.group(1)) if found else 0.0
-
-
 def _ask(server, rng: random.Random, max_tokens: int = 2) -> dict:
     prompt = [rng.randrange(1000, 20000) for _ in range(PROMPT_TOKENS)]
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -119,8 +114,8 @@ def test_a_loaded_prefill_pool_takes_a_node_from_the_idle_decode_pool(autoscaled
     server = autoscaled
     before = _pools(server)
     assert len(before["prefill"]) == 1 and len(before["decode"]) == 2
-    moved = r'pdserve_autoscale_decisions_total\{action="to_prefill",reason="moved"\}'
-    assert _metric(server, moved) == 0
+    moved = {"action": "to_prefill", "reason": "moved"}
+    assert metric(server, DECISIONS, **moved) == 0
     answers, failures = load_until(
         server, lambda: len(_pools(server)["prefill"]) >= 2, MOVE_DEADLINE_S
     )
@@ -128,16 +123,16 @@ def test_a_loaded_prefill_pool_takes_a_node_from_the_idle_decode_pool(autoscaled
     assert len(after["prefill"]) == 2 and len(after["decode"]) == 1, after
     [newcomer] = [name for name in after["prefill"] if name not in before["prefill"]]
     assert newcomer.startswith("pdserve-decode-")
-    assert _metric(server, moved) >= 1
+    assert metric(server, DECISIONS, **moved) >= 1
     assert re.search(rf"autoscale: {newcomer} moves from the decode pool", server.log.read_text())
     assert not failures, failures[:3]
     assert answers and all(a["usage"]["completion_tokens"] == 2 for a in answers)
 
     # the moved node now takes prefill legs; their KV crosses to the remaining decode node
-    routed = rf'pdserve_routing_decisions_total\{{node="{newcomer}",pool="prefill"\}}'
-    start = _metric(server, routed)
+    routed = {"node": newcomer, "pool": "prefill"}
+    start = metric(server, "pdserve_routing_decisions_total", **routed)
     rng = random.Random(99)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         later = list(pool.map(lambda _: _ask(server, rng, max_tokens=6), range(8)))
     assert all(a["usage"]["completion_tokens"] == 6 for a in later), later
-    assert _metric(server, routed) > start
+    assert metric(server, "pdserve_routing_decisions_total", **routed) > start

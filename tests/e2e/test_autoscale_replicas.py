@@ -13,10 +13,10 @@ import random
 import re
 import time
 
-import httpx
 import pytest
 
-from tests.e2e.test_autoscale import _ask, _metric, _pools, load_until, serve_autoscaled
+from tests.e2e.conftest import metric, samples
+from tests.e2e.test_autoscale import DECISIONS, _ask, _pools, load_until, serve_autoscaled
 
 ADD_DEADLINE_S = 240
 REMOVE_DEADLINE_S = 90
@@ -37,9 +37,7 @@ def scaling(tmp_path_factory):
 
 def _decisions(server) -> float:
     """Every autoscale check this router has counted (any action, any reason)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    lines = [x for x in text.splitlines() if x.startswith("pdserve_autoscale_decisions_total{")]
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+    return sum(s.value for s in samples(server) if s.name == DECISIONS)
 
 
 def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling):
@@ -47,17 +45,17 @@ def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling
     assert len(routers) == 2
     for server in routers:
         assert _pools(server) == {"prefill": ["pdserve-prefill-0"], "decode": ["pdserve-decode-0"]}
-    added = r'pdserve_autoscale_decisions_total\{action="add_prefill",reason="added"\}'
-    routed = r'pdserve_routing_decisions_total\{node="pdserve-prefill-1",pool="prefill"\}'
+    routed = {"node": "pdserve-prefill-1", "pool": "prefill"}
     checks, began = _decisions(routers[0]), time.monotonic()
     # until the new node has started, joined and taken prefill legs from both routers
 
     def both_use_it() -> bool:
-        return all(_metric(server, routed) >= 1 for server in routers)
+        legs = [metric(server, "pdserve_routing_decisions_total", **routed) for server in routers]
+        return min(legs) >= 1
 
     answers, failures = load_until(routers, both_use_it, ADD_DEADLINE_S)
     assert both_use_it(), [_pools(server) for server in routers]
-    assert _metric(routers[0], added) >= 1
+    assert metric(routers[0], DECISIONS, action="add_prefill", reason="added") >= 1
     # one decision per check (a 1 s interval), counted by router 0 alone
     checked = _decisions(routers[0]) - checks
     assert 0 < checked <= (time.monotonic() - began) / INTERVAL_S + 2, checked
@@ -83,8 +81,10 @@ def test_a_pressed_cluster_grows_where_it_has_room_and_shrinks_when_idle(scaling
     pools = [_pools(server) for server in routers]
     assert pools[0] == pools[1], pools
     assert [len(pools[0]["prefill"]), len(pools[0]["decode"])] == [1, 1], pools
-    removed = r'pdserve_autoscale_decisions_total\{action="remove_%s",reason="removed"\}'
-    gone = _metric(routers[0], removed % "prefill") + _metric(routers[0], removed % "decode")
+    gone = sum(
+        metric(routers[0], DECISIONS, action=f"remove_{pool}", reason="removed")
+        for pool in ("prefill", "decode")
+    )
     assert gone >= 1
     while time.monotonic() < deadline and "drained and stopped" not in scaling.log.read_text():
         time.sleep(0.5)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.e2e import chaos
-from tests.e2e.conftest import finish_server, start_server
+from tests.e2e.conftest import finish_server, samples, start_server
 
 DURATION_S = float(os.environ.get("PDSERVE_CHAOS_S", "45"))
 KILL_EVERY_S = float(os.environ.get("PDSERVE_CHAOS_KILL_EVERY_S", "15"))
@@ -76,18 +76,6 @@ def served(request, tmp_path_factory):
         cluster.shutdown()
 
 
-def _samples(url: str, name: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        tuple(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    }
-
-
 def test_every_request_ends_and_every_pool_comes_back(served, prompts, tmp_path):
     shape, server = served
     account, stop = chaos.Account(), threading.Event()
@@ -133,8 +121,9 @@ def test_every_request_ends_and_every_pool_comes_back(served, prompts, tmp_path)
     watcher_stop.set()
     watcher.join(timeout=10)
 
+    scraped = samples(server)
     counted = {
-        name: sum(value for labels, value in _samples(server.url, f"pdserve_{name}_total").items())
+        name: sum(s.value for s in scraped if s.name == f"pdserve_{name}_total")
         for name in ("stream_resumes", "request_retries", "prefill_fallbacks", "decode_fallbacks")
     }
     blocks = sum(n["kv_blocks_held"] for v in pools.values() for n in v["nodes"])

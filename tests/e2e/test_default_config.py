@@ -30,7 +30,7 @@ import yaml
 
 from pdserve_core.engine.dtype import native_dtype
 from tests.conftest import REPO
-from tests.e2e.conftest import finish_server, start_server
+from tests.e2e.conftest import finish_server, samples, start_server
 
 RULES = sorted((REPO / "deploy/prometheus/rules").glob("*.yml"))
 DASHBOARD = REPO / "deploy/grafana/dashboards/pdserve-pool-balance.json"
@@ -369,13 +369,9 @@ def test_the_roofline_separates_the_pools(prometheus):
 
 
 def _placements(server) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return {
         f"{s.labels['where']}/{s.labels['reason']}": s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
+        for s in samples(server)
         if s.name == "pdserve_prefill_placements_total"
     }
 

@@ -29,7 +29,7 @@ import pytest
 
 from pdserve.hosts.ray_hosts import restart_host
 from tests.conftest import REPO
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, samples
 from tests.e2e.hosts import bring_up, can_make_hosts, tear_down, wait_for
 
 pytestmark = pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts()))
@@ -101,13 +101,9 @@ def healthy(cluster, pool: str) -> float:
 
 def total(cluster, name: str, **labels: str) -> float:
     """The sum of a family's samples with these labels, over every node."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{cluster.server.url}/metrics", headers=cluster.server.headers).text
     return sum(
         sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in samples(cluster.server)
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
 
@@ -160,13 +156,9 @@ def at_router(cluster, router: int, path: str) -> httpx.Response:
 
 def decode_legs(cluster, router: int) -> dict[str, float]:
     """The decode legs `router` has sent, per node."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = at_router(cluster, router, "/metrics").text
     return {
         sample.labels["node"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in samples(cluster.server, router)
         if sample.name == "pdserve_routing_decisions_total" and sample.labels["pool"] == "decode"
     }
 
