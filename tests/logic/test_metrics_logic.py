@@ -185,19 +185,24 @@ def _pool(name: str, nodes: list[Node]) -> Pool:
     return new_pool(name, nodes, "least_outstanding")
 
 
-def test_pool_collector_exports_nodes_pools_and_balance():
-    prefill = _node("p0", _node_stats(estimated_flops_total=2e11, prompt_busy_seconds_total=8))
-    prefill.history.extend([_sample(0), (10, counters(prefill.stats))])
-    decode = _node("d0", _node_stats(running=16, kv_cache_usage=0.2))
-    dead = _node("d1", _node_stats(waiting=500), healthy=False)
-    pools = {"prefill": _pool("prefill", [prefill]), "decode": _pool("decode", [decode, dead])}
-    metrics = RouterMetrics(pools, "disaggregated", tpot_target_s=0.1)
+def _exported(metrics: RouterMetrics) -> tuple[str, dict]:
+    """The registry's exposition text and its samples' values by (name, sorted labels)."""
     text = generate_latest(metrics.registry).decode()
     values = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+    return text, values
+
+
+def test_pool_collector_exports_nodes_pools_and_balance():
+    prefill = _node("p0", _node_stats(estimated_flops_total=2e11, prompt_busy_seconds_total=8))
+    prefill.history.extend([_sample(0), (10, counters(prefill.stats))])
+    decode = _node("d0", _node_stats(running=16, kv_cache_usage=0.2))
+    dead = _node("d1", _node_stats(waiting=500), healthy=False)
+    pools = {"prefill": _pool("prefill", [prefill]), "decode": _pool("decode", [decode, dead])}
+    text, values = _exported(RouterMetrics(pools, "disaggregated", tpot_target_s=0.1))
     assert values[("pdserve_pool_load_ratio", (("pool", "prefill"),))] == pytest.approx(0.8)
     # the unhealthy node's queue does not count: decode load is 16/64 from the healthy one
     assert values[("pdserve_pool_load_ratio", (("pool", "decode"),))] == pytest.approx(0.25)
@@ -219,14 +224,8 @@ def test_utilization_stays_within_one_when_the_window_holds_more_step_time_than_
     node = _node("p0", stats)
     node.history.extend([_sample(0), (1.0, counters(stats))])
     pools = {"prefill": _pool("prefill", [node])}
-    metrics = RouterMetrics(pools, "disaggregated", tpot_target_s=0.1)
-    text = generate_latest(metrics.registry).decode()
-    ratios = {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.endswith("_utilization_ratio")
-    }
+    _, values = _exported(RouterMetrics(pools, "disaggregated", tpot_target_s=0.1))
+    ratios = {name: v for (name, _), v in values.items() if name.endswith("_utilization_ratio")}
     assert ratios == {
         "pdserve_node_compute_utilization_ratio": pytest.approx(1.0),
         "pdserve_node_bandwidth_utilization_ratio": pytest.approx(1.0),
