@@ -35,11 +35,12 @@ Three modes (`router.placement.mode`):
   Before the rule, the spread: while no prompt of `long_prompt_tokens` or more has arrived for
   `spread_quiet_s`, there is nothing to split off, and a request runs whole on whichever of the
   pair holds more of its prompt, else has fewer requests open (`spread`, where the prompt is
-  computed on the node that decodes it: local). Two one-thread engines serving whole requests
-  side by side outrun one two-thread engine on short prompts (results/bench/sweep-direct), and a
-  split would give decode one of the two cores. The first long prompt ends the spread: it, and
-  every request for `spread_quiet_s` after it, are placed by the rule above, so the long prompt
-  stalls only the streams already on the node it runs on.
+  computed on the node that decodes it: local). Measured on two cores it did not beat one
+  two-thread engine nor the split (results/bench/sweep-direct, results/bench/layouts/spread):
+  each newcomer's prompt stalls the streams of the engine it joins, and a prompt shared by many
+  requests draws them all to the node that holds it. The first long prompt ends the spread: it,
+  and every request for `spread_quiet_s` after it, are placed by the rule above, so the long
+  prompt stalls only the streams already on the node it runs on.
   Measured first with "local whenever it is no slower": short prompts all moved onto the decode
   node, whose one core then both prefilled and decoded, and the steady mix's capacity fell to
   0.6× the remote mode's (results/bench/sweep/README.md).
