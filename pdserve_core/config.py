@@ -256,7 +256,10 @@ class PlacementConfig(_Strict):
     nothing needs splitting: each request runs whole on the decode node or the prefill node the
     pools chose, whichever holds more of its prompt, else has fewer requests open — both nodes
     serve whole requests side by side, as two engines would. The first long prompt ends it (that
-    prompt, and every request for this long after it, placed by the rule above). 0: never."""
+    prompt, and every request for this long after it, placed by the rule above). 0: never.
+    Measured on two cores it lost to the split: each newcomer's prompt stalls the streams of the
+    engine it joins, and a prompt many requests share (a system prompt) draws them all to the
+    node holding it (results/bench/layouts/spread)."""
     long_prompt_tokens: int = Field(512, gt=0)
     """`adaptive` mode: a prompt this long stalls the streams of whichever node computes it; one
     arriving ends the spread for `spread_quiet_s`."""
