@@ -88,8 +88,9 @@ class EngineConfig(_Strict):
     """CPU only: run vLLM's model worker in a process of its own, as vLLM does on a CPU. False:
     in the engine core's process, as vLLM does on one GPU: one process and one import of vLLM
     fewer per engine (an engine builds in ≈ 11 s instead of 20 on two cores) and no hand-off
-    between two processes at each step. Set by the engine actor before either process starts,
-    the OpenMP environment (threads, binding, preloads) is the same either way."""
+    between two processes at each step. The OpenMP environment (threads, preloads, and the
+    binding vLLM gives a worker process it spawns) is the same either way: the engine actor sets
+    it before the engine's processes start."""
     seed: int = 0
     """Sampling seed for engines (greedy output does not depend on it)."""
     cpu_preload: list[Literal["tcmalloc", "iomp"]] = Field(
@@ -162,7 +163,9 @@ class PoolConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each node needs, e.g. {"prefill_pool": 1} to pin it to prefill hosts."""
     cpu_bind: list[str] = Field(default_factory=list)
-    """CPU only: VLLM_CPU_OMP_THREADS_BIND per replica (e.g. ["0", "1"]); empty: unbound."""
+    """CPU only: the cores each replica's engine runs on (VLLM_CPU_OMP_THREADS_BIND, e.g. ["0",
+    "1"]: replica 0 on core 0, replica 1 on core 1); its OpenMP threads are pinned to them in
+    order, as vLLM pins a worker process. Empty: unbound, on any core."""
     max_restarts: int = Field(-1, ge=-1)
     """How often Ray restarts a node whose process died (-1: always); it rejoins its pool once
     healthy. A node past its budget stays out of its pool for good."""

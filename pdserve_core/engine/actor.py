@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -108,6 +108,49 @@ def engine_env(engine: EngineConfig, pool: PoolConfig, replica: int) -> dict[str
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
+
+
+def omp_binding(bind: str, ld_preload: str) -> dict[str, str]:
+    """The OpenMP environment that pins an engine's threads to the cores `bind` names ("1",
+    "0-1", "0,2-3"; "nobind" or "": none), for the OpenMP runtime `ld_preload` loads: what vLLM's
+    multiprocessing executor sets for each CPU worker process it spawns. An engine whose worker
+    runs in its EngineCore (the in-core executor) is spawned by no such executor, so without this
+    its threads were never pinned and `cpu_bind` bound nothing (each engine's compute thread
+    free on every core). Intel OpenMP: one core per thread in order, and a thread spins 5 ms
+    after a parallel region before it sleeps (vLLM's `KMP_BLOCKTIME`); GNU OpenMP: the same
+    order; any other runtime: the standard places."""
+    if bind in ("", "nobind", "auto"):
+        return {}
+    cores: list[int] = []
+    for part in bind.split(","):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    listed = ",".join(map(str, sorted(set(cores))))
+    if "libiomp" in ld_preload or "libomp" in ld_preload:
+        return {
+            "KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{listed}]",
+            "KMP_BLOCKTIME": "5",
+            "KMP_TPAUSE": "0",
+        }
+    if "libgomp" in ld_preload:
+        return {"GOMP_CPU_AFFINITY": listed.replace(",", " ")}
+    return {"OMP_PLACES": "{" + listed + "}", "OMP_PROC_BIND": "true"}
+
+
+@contextmanager
+def spawned_with(env: dict[str, str]):
+    """`os.environ` with `env` added while the block runs (the processes it spawns inherit it),
+    then as it was: the actor's own OpenMP runtime has started and is not pinned."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def engine_kwargs(
@@ -257,10 +300,17 @@ class EngineActor:
             # class, the worker runs in the EngineCore's process, spawned once the platform has
             # set the OpenMP environment, as on a GPU (executor.py: and its steps timed whole)
             kwargs["distributed_executor_backend"] = IN_CORE_EXECUTOR
+        pinned: dict[str, str] = {}
+        if kwargs.get("distributed_executor_backend") == IN_CORE_EXECUTOR:
+            bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+            pinned = omp_binding(bind, os.environ.get("LD_PRELOAD", ""))
         args = AsyncEngineArgs(**kwargs)
-        self._engine = AsyncLLM.from_engine_args(
-            args, stat_loggers=[stat_logger_factory(self._collector)]
-        )
+        with spawned_with(pinned):  # the EngineCore, and its worker with it, pinned as vLLM pins
+            self._engine = AsyncLLM.from_engine_args(  # a worker process of its own
+                args, stat_loggers=[stat_logger_factory(self._collector)]
+            )
+        if pinned:
+            logger.info("%s: OpenMP threads pinned (%s)", self._name, pinned)
         vllm_config = self._engine.vllm_config
         self._block_size = vllm_config.cache_config.block_size
         self._start_utilization(vllm_config)

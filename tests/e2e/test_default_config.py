@@ -143,6 +143,26 @@ def test_a_stop_string_spanning_the_first_token_stops_in_bf16(server, stream):
     assert free["text"].startswith(text)
 
 
+def test_each_engine_runs_only_on_the_core_its_pool_names(server):
+    """The default 1P1D pins the prefill engine to core 0 and the decode engine to core 1
+    (`pools.*.cpu_bind`): every thread of each EngineCore, its model worker inside, may run only
+    there, as vLLM pins a worker process of its own. Before, with the worker inside, nothing
+    pinned them and both engines ran on either core."""
+    import psutil
+
+    cores = {}
+    for process in psutil.Process(server.process.pid).children(recursive=True):
+        if process.name().startswith("VLLM::EngineCor"):
+            role = "prefill" if "Prefill" in " ".join(process.parent().cmdline()) else "decode"
+            cores[role] = set()
+            for thread in process.threads():
+                try:
+                    cores[role].add(frozenset(os.sched_getaffinity(thread.id)))
+                except ProcessLookupError:  # a thread that ended meanwhile
+                    pass
+    assert cores == {"prefill": {frozenset({0})}, "decode": {frozenset({1})}}
+
+
 def test_n_sequences_in_bf16(server):
     body = {"prompt": "Once upon a time", "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 7}
     for stream in (False, True):
