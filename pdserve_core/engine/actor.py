@@ -298,7 +298,8 @@ class EngineActor:
             # vLLM's CPU platform turns "uni" into its multiprocessing executor (for an engine
             # in the caller's own process, whose OpenMP runtime has started); named by its
             # class, the worker runs in the EngineCore's process, spawned once the platform has
-            # set the OpenMP environment, as on a GPU (executor.py: and its steps timed whole)
+            # set the threads and preloads (the binding: below), as on a GPU (executor.py: and
+            # its steps timed whole)
             kwargs["distributed_executor_backend"] = IN_CORE_EXECUTOR
         pinned: dict[str, str] = {}
         if kwargs.get("distributed_executor_backend") == IN_CORE_EXECUTOR:
