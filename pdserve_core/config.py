@@ -7,6 +7,7 @@ A bad file fails with a message naming the field and the reason (`load_config`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,8 @@ from pdserve_core.tls import ServerFiles, server_context
 
 DEFAULT_MODEL = "default"
 """Model name that means the embedded SmolLM2-135M-Instruct built by `pdserve model prepare`."""
+_CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+"""One entry of a pool's `cpu_bind`: cores and ranges, "0", "0-1", "0,2-3"."""
 
 
 CONFIG_FLAGS = {
@@ -165,7 +168,8 @@ class PoolConfig(_Strict):
     cpu_bind: list[str] = Field(default_factory=list)
     """CPU only: the cores each replica's engine runs on (VLLM_CPU_OMP_THREADS_BIND, e.g. ["0",
     "1"]: replica 0 on core 0, replica 1 on core 1); its OpenMP threads are pinned to them in
-    order, as vLLM pins a worker process. Empty: unbound, on any core."""
+    order, as vLLM pins a worker process. An entry is a list of cores and ranges ("0", "0-1",
+    "0,2-3") or "nobind" (that replica unbound). Empty: unbound, on any core."""
     max_restarts: int = Field(-1, ge=-1)
     """How often Ray restarts a node whose process died (-1: always); it rejoins its pool once
     healthy. A node past its budget stays out of its pool for good."""
@@ -173,6 +177,20 @@ class PoolConfig(_Strict):
     """This pool's engines' `engine.long_prefill_token_threshold` (None: the engine section's).
     On decode nodes a cap splits a prompt computed there (a conversation's new message whose
     history the node holds) over steps, so each step its streams wait for is short."""
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _core_lists(cls, binds: list[str]) -> list[str]:
+        for bind in binds:
+            if bind != "nobind" and not _CORE_LIST.fullmatch(bind):
+                raise ValueError(
+                    f"{bind!r} is not a list of cores: give cores and ranges such as "
+                    '"1", "0-1" or "0,2-3" (one entry per replica), or "nobind"'
+                )
+            for first, last in re.findall(r"(\d+)(?:-(\d+))?", bind):
+                if last and int(last) < int(first):
+                    raise ValueError(f"{bind!r}: the range {first}-{last} runs backwards")
+        return binds
 
 
 class AutoscaleConfig(_Strict):

@@ -59,6 +59,10 @@ def test_every_example_config_under_deploy_is_valid():
         ({"pools": {"autoscale": {"high": 1.0}}}, "pools.autoscale.high", "greater than 1"),
         ({"pools": {"autoscale": {"min_decode": 0}}}, "pools.autoscale.min_decode", "1"),
         ({"router": {"replicas": 0}}, "router.replicas", "greater than or equal to 1"),
+        ({"pools": {"decode": {"cpu_bind": ["0|1"]}}}, "pools.decode.cpu_bind", "not a list of"),
+        ({"pools": {"prefill": {"cpu_bind": ["all"]}}}, "pools.prefill.cpu_bind", '"nobind"'),
+        ({"pools": {"colocated": {"cpu_bind": ["0-"]}}}, "pools.colocated.cpu_bind", "'0-'"),
+        ({"pools": {"colocated": {"cpu_bind": ["3-1"]}}}, "pools.colocated.cpu_bind", "backwards"),
         (
             {"router": {"replicas": 4, "http_port": 8000, "grpc_port": 8002}},
             "(top level)",
@@ -78,6 +82,12 @@ def test_bad_values_name_the_field_and_reason(data, field, reason):
     assert "test.yaml" in message
     assert f"{field}:" in message
     assert reason in message
+
+
+def test_each_form_of_core_list_a_pool_may_bind_to_is_accepted():
+    binds = ["0", "1-3", "0,2-3,5", "nobind"]
+    config = parse_config({"pools": {"prefill": {"cpu_bind": binds}}}, "test.yaml")
+    assert config.pools.prefill.cpu_bind == binds
 
 
 def test_several_routers_take_consecutive_ports_or_free_ones():
