@@ -1,11 +1,13 @@
-"""TTFT over turns >= 2 pooled over the four rounds, per system (the rounds' records)."""
+"""TTFT over turns >= 2 pooled over the four rounds, per system (the rounds' records), of this
+folder or of the folder named: `python pooled.py [FOLDER]`."""
 
 import json
 import lzma
 import statistics
+import sys
 from pathlib import Path
 
-here = Path(__file__).parent
+here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 pooled: dict[str, list[float]] = {}
 for folder in sorted(here.glob("colocated*")):
     with lzma.open(folder / "records.jsonl.xz", "rt") as records:
