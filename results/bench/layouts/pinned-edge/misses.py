@@ -1,4 +1,5 @@
-"""Which half of DistServe's SLO each request missed, per run: python misses.py r*/records.jsonl.xz"""
+"""Which half of DistServe's SLO each request missed, per run:
+`python misses.py r*/records.jsonl.xz`."""
 
 import collections
 import json
