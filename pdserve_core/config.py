@@ -26,6 +26,23 @@ _CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 """One entry of a pool's `cpu_bind`: cores and ranges, "0", "0-1", "0,2-3"."""
 
 
+def cpu_cores(bind: str) -> list[int]:
+    """The cores one `cpu_bind` entry names ("0,2-3": [0, 2, 3]), sorted, each once; ValueError
+    for anything else."""
+    if not _CORE_LIST.fullmatch(bind):
+        raise ValueError(
+            f"{bind!r} is not a list of cores: give cores and ranges such as "
+            '"1", "0-1" or "0,2-3" (one entry per replica), or "nobind"'
+        )
+    cores: set[int] = set()
+    for part in bind.split(","):
+        first, _, last = part.partition("-")
+        if int(last or first) < int(first):
+            raise ValueError(f"{bind!r}: the range {part} runs backwards")
+        cores.update(range(int(first), int(last or first) + 1))
+    return sorted(cores)
+
+
 CONFIG_FLAGS = {
     "--model": "model",
     "--served-model-name": "router.served_model_name",
@@ -182,14 +199,8 @@ class PoolConfig(_Strict):
     @classmethod
     def _core_lists(cls, binds: list[str]) -> list[str]:
         for bind in binds:
-            if bind != "nobind" and not _CORE_LIST.fullmatch(bind):
-                raise ValueError(
-                    f"{bind!r} is not a list of cores: give cores and ranges such as "
-                    '"1", "0-1" or "0,2-3" (one entry per replica), or "nobind"'
-                )
-            for first, last in re.findall(r"(\d+)(?:-(\d+))?", bind):
-                if last and int(last) < int(first):
-                    raise ValueError(f"{bind!r}: the range {first}-{last} runs backwards")
+            if bind != "nobind":
+                cpu_cores(bind)
         return binds
 
 

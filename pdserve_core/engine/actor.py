@@ -33,7 +33,13 @@ from typing import Any
 
 import ray
 
-from pdserve_core.config import EngineConfig, PoolConfig, cpu_preload_paths, engine_threads
+from pdserve_core.config import (
+    EngineConfig,
+    PoolConfig,
+    cpu_cores,
+    cpu_preload_paths,
+    engine_threads,
+)
 from pdserve_core.engine import dtype
 from pdserve_core.engine.blocks import BlockLog, block_hashes
 from pdserve_core.engine.deltas import END, Channel, DeltaServer, ending, server_tls
@@ -121,11 +127,7 @@ def omp_binding(bind: str, ld_preload: str) -> dict[str, str]:
     order; any other runtime: the standard places."""
     if bind in ("", "nobind", "auto"):
         return {}
-    cores: list[int] = []
-    for part in bind.split(","):
-        first, _, last = part.partition("-")
-        cores += range(int(first), int(last or first) + 1)
-    listed = ",".join(map(str, sorted(set(cores))))
+    listed = ",".join(map(str, cpu_cores(bind)))
     if "libiomp" in ld_preload or "libomp" in ld_preload:
         return {
             "KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{listed}]",
@@ -301,10 +303,10 @@ class EngineActor:
             # set the threads and preloads (the binding: below), as on a GPU (executor.py: and
             # its steps timed whole)
             kwargs["distributed_executor_backend"] = IN_CORE_EXECUTOR
-        pinned: dict[str, str] = {}
-        if kwargs.get("distributed_executor_backend") == IN_CORE_EXECUTOR:
             bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
             pinned = omp_binding(bind, os.environ.get("LD_PRELOAD", ""))
+        else:
+            pinned = {}
         args = AsyncEngineArgs(**kwargs)
         with spawned_with(pinned):  # the EngineCore, and its worker with it, pinned as vLLM pins
             self._engine = AsyncLLM.from_engine_args(  # a worker process of its own
