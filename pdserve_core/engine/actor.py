@@ -318,6 +318,7 @@ class EngineActor:
         self._block_size = vllm_config.cache_config.block_size
         self._start_utilization(vllm_config)
         await self._warm_sampler()
+        await self._keep_seeds_across_chunks()
         info = NodeInfo(
             name=self._name,
             pid=os.getpid(),
@@ -347,6 +348,25 @@ class EngineActor:
             )
             return
         logger.info("%s: sampler's logprob kernel compiled in %.1f s", self._name, max(seconds))
+
+    async def _keep_seeds_across_chunks(self) -> None:
+        """On a CPU, mend the workers' sampling of seeded requests whose prompt a step splits
+        (pdserve_core/engine/worker.py): without it the first such request kills the engine."""
+        try:
+            mended = await self._engine.collective_rpc("pdserve_keep_seeds_across_chunks")
+        except Exception as error:
+            mended = [f"{type(error).__name__}: {error}"]
+        if (
+            all(m is True for m in mended)
+            or self._engine.vllm_config.device_config.device_type != "cpu"
+        ):
+            return
+        logger.warning(
+            "%s: seeded sampling across split prompts not mended (%s): on this CPU engine a "
+            "request with a `seed` whose prompt a step splits will end the engine",
+            self._name,
+            mended,
+        )
 
     async def _kv_endpoint(self) -> dict[str, Any]:
         """The KV connector's endpoint for NodeInfo: KV server address and ports (a producer),

@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from pdserve_core.engine.legs import Prefill
-from pdserve_core.engine.types import OUTPUT_START_ARG
+from pdserve_core.engine.types import CACHE_SALT_ARG, OUTPUT_START_ARG
 from tests.engines.harness import (
     consumer,
     decode,
@@ -266,6 +266,37 @@ async def test_a_prefill_leg_stopped_as_its_kv_was_kept_gives_it_back_at_once(en
         assert freed_s < 10 < lease_s, (name, freed_s)
         print(f"{name}: the stopped leg's {kept} blocks freed {freed_s:.2f} s after the stop")
         assert (await node.stats.remote()).kv.counters.leases_expired == 0, name
+
+
+@pytest.mark.parametrize("name", ["ref", "d"])
+async def test_a_seeded_prompt_split_across_steps_samples_as_if_whole(engines, corpus, name):
+    """Three seeded prompts of 1,500 tokens at once pass a step's token budget (2,048 on a CPU),
+    so the engine splits one across steps and drops the token it samples on the first part.
+    vLLM then rewinds its seeded generator by CUDA's counter, which a CPU generator does not
+    have: unmended, the EngineCore dies here. Each sample must also be the one it gets alone
+    (another salt: computed afresh, in one step), whether vLLM's worker runs in a process of its
+    own (`ref`) or inside the EngineCore's (`d`, pdserve's layout)."""
+    from vllm import SamplingParams
+
+    def seeded(seed: int, salt: str) -> SamplingParams:
+        extra = {CACHE_SALT_ARG: f"{name}-{salt}"}
+        return SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True, extra_args=extra
+        )
+
+    node = engines[name]
+    seen = (await node.step_records.remote())["steps_seen"]
+    batch = [corpus[300 + 400 * i : 1800 + 400 * i] for i in range(3)]
+    together = await asyncio.gather(
+        *(generate(node, p, seeded(7 + i, "together"), rid("seeded")) for i, p in enumerate(batch))
+    )
+    steps = (await node.step_records.remote(seen))["records"]
+    assert any(s[0] % 1500 for s in steps), f"no prompt was split: {[s[0] for s in steps]}"
+    alone = [
+        await generate(node, p, seeded(7 + i, "alone"), rid("seeded")) for i, p in enumerate(batch)
+    ]
+    assert [tokens(d) for d in together] == [tokens(d) for d in alone]
+    assert all(len(tokens(d)) == 8 for d in alone)
 
 
 async def test_nothing_is_left_held_after_the_requests(engines):
