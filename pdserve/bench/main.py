@@ -143,6 +143,16 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="change the pdserve systems' config, e.g. --set kv_transfer.load=async (repeatable)",
     )
+    parser.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more flag for plain vLLM's server, written with '=', e.g. "
+        "--vllm-arg=--max-num-batched-tokens=256 (repeatable; default: vLLM's own settings, "
+        "what `vllm serve` would run)",
+    )
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -367,7 +377,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for system in args.systems:
         work = compare.scratch(out, system)
         logger.info("starting %s", system)
-        with _system(system, work, args.overrides) as url:
+        with _system(system, work, args.overrides, args.vllm_args) as url:
             for mix in args.mixes:
                 got: dict = {}
                 disaggregated = system not in ("colocated", "vllm")
@@ -377,7 +387,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     results = {
         "settings": {
             key: getattr(args, key)
-            for key in "systems mixes rates duration_s warmup_requests seed overrides".split()
+            for key in "systems mixes rates duration_s warmup_requests seed overrides "
+            "vllm_args".split()
         },
         "machine": _machine(),
         "duration_s": args.duration_s,
@@ -390,7 +401,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         )
         + "; vllm: one engine with two threads on cores 0-1; same engine "
         f"settings ({sweep_.engines_dtype(compare.REPO, args.overrides)}, eager, max_model_len "
-        "2048, 64 sequences, tcmalloc and Intel OpenMP preloaded), fresh server per system.",
+        "2048, 64 sequences, tcmalloc and Intel OpenMP preloaded), "
+        f"{_chunks(args)}, fresh server per system.",
         "points": points,
     }
     results["headline"] = sweep_.headline(results, args.slos)
@@ -421,7 +433,8 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
     for system in args.systems:
         work = compare.scratch(out, system)
         logger.info("starting %s", system)
-        with _system({"pdserve": "adaptive"}.get(system, system), work, args.overrides) as url:
+        system_ = {"pdserve": "adaptive"}.get(system, system)
+        with _system(system_, work, args.overrides, args.vllm_args) as url:
             model = asyncio.run(served_model(url))
             warm = conv.Conversations(2, 2, 16, 16, 8, 0.0, 0.0, args.seed + 1)
             asyncio.run(conv.run_conversations(url, warm, model, args.timeout_s))
@@ -441,12 +454,13 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
         "settings": {
             key: getattr(args, key)
             for key in "systems conversations turns system_tokens message_tokens output_tokens "
-            "think_s start_every_s seed overrides".split()
+            "think_s start_every_s seed overrides vllm_args".split()
         },
         "machine": _machine(),
         "fairness": f"pdserve: {sweep_.describe_layout('adaptive', compare.REPO, args.overrides)}"
-        "; vllm: one engine with two threads on cores 0-1; same engine settings, prefix "
-        "caching on in all; the same conversations; fresh server per system.",
+        "; vllm: one engine with two threads on cores 0-1; same engine settings but "
+        f"{_chunks(args)}, prefix caching on in all; the same conversations; fresh server "
+        "per system.",
         "runs": runs,
         "kv_bytes_per_token": conv.kv_bytes_per_token(),
     }
@@ -458,14 +472,30 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
     return 0 if all(not run["errors"] for run in runs.values()) else 1
 
 
-def _system(system: str, work: Path, overrides: list[str]):
+def _chunks(args: argparse.Namespace) -> str:
+    """The prompt tokens each side's engine computes in a step, as the fairness line says it."""
+    from pdserve_core.roofline.serving import cpu_chunk_size
+
+    data = sweep_.config_data("colocated", compare.REPO, args.overrides)
+    engine = data.get("engine") or {}
+    ours = cpu_chunk_size(engine.get("max_num_batched_tokens"), engine.get("max_num_seqs", 64))
+    theirs = next(
+        (a.split("=", 1)[1] for a in args.vllm_args if a.startswith("--max-num-batched-tokens=")),
+        "2048, vLLM's default",
+    )
+    return f"a step's tokens {ours} on pdserve's CPU engines, {theirs} on vLLM's"
+
+
+def _system(system: str, work: Path, overrides: list[str], vllm_args: list[str]):
     """A context manager serving `system` on this machine; yields its base URL."""
     if system == "vllm":
         from pdserve_core.model_prep import prepare_default_model
 
         model_dir = prepare_default_model()
         dtype = sweep_.engines_dtype(compare.REPO, overrides)
-        return compare.plain_vllm_server(model_dir, model_dir.name, work, dtype=dtype)
+        return compare.plain_vllm_server(
+            model_dir, model_dir.name, work, dtype=dtype, extra=tuple(vllm_args)
+        )
     config = sweep_.pdserve_config(system, compare.REPO, work, overrides)
     return compare.pdserve_server(config, work)
 

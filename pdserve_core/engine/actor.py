@@ -60,6 +60,7 @@ from pdserve_core.engine.types import (
 from pdserve_core.engine.worker import QUALNAME as WORKER_EXTENSION
 from pdserve_core.kv.stats import KVGauges
 from pdserve_core.roofline.live import resolve_peaks
+from pdserve_core.roofline.serving import cpu_chunk_size
 from pdserve_core.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
 
 logger = logging.getLogger(__name__)
@@ -291,6 +292,10 @@ class EngineActor:
         self._stream_context = server_tls(self._stream_tls)  # a bad file fails the start here
         kwargs = dict(self._engine_args)
         kwargs["dtype"] = dtype.resolve(kwargs.get("dtype", dtype.NATIVE), _gpu_name() is not None)
+        if _gpu_name() is None:  # decided on the engine's own host, as the dtype is
+            kwargs["max_num_batched_tokens"] = cpu_chunk_size(
+                kwargs.get("max_num_batched_tokens"), kwargs["max_num_seqs"]
+            )
         if kwargs.get("kv_transfer_config"):
             from vllm.config import KVTransferConfig
 

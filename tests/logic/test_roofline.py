@@ -227,8 +227,16 @@ def test_serve_takes_its_chunk_from_the_planner(default_model_dir, monkeypatch):
     chosen = parse_config({"engine": {"device": "h100-sxm", "max_num_batched_tokens": 2048}})
     assert with_planned_chunk(chosen, default_model_dir).engine.max_num_batched_tokens == 2048
     monkeypatch.setattr(serving, "detect_device", lambda: None)  # a CPU machine
-    cpu = with_planned_chunk(parse_config({}), default_model_dir)  # no device: vLLM's default
-    assert cpu.engine.max_num_batched_tokens is None
+    cpu = with_planned_chunk(parse_config({}), default_model_dir)  # no device: each engine's
+    assert cpu.engine.max_num_batched_tokens is None  # own host decides (a CPU: below)
+
+
+def test_a_cpu_engine_steps_256_prompt_tokens_unless_told():
+    from pdserve_core.roofline.serving import CPU_CHUNK_TOKENS, cpu_chunk_size
+
+    assert cpu_chunk_size(None, 64) == CPU_CHUNK_TOKENS == 256
+    assert cpu_chunk_size(2048, 64) == 2048  # the config's own
+    assert cpu_chunk_size(None, 512) == 512  # vLLM: a step's budget holds every sequence
 
 
 def _minimal() -> dict:
