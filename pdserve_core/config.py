@@ -82,10 +82,11 @@ class EngineConfig(_Strict):
     """GPU only: share of device memory vLLM may use."""
     max_num_batched_tokens: int | None = Field(None, gt=0)
     """Chunk size for chunked prefill: the most tokens an engine step computes. None: the
-    roofline planner's for `device` (or the detected GPU), vLLM's own default (2,048) on a GPU
-    the catalog lacks, and 256 on a CPU, decided by each engine on its own host (a prompt's
-    steps then end one after another and the streams beside them step between them:
-    pdserve_core/roofline/serving.py)."""
+    roofline planner's for `device` (or the detected GPU); vLLM's own default (2,048) on a GPU
+    the catalog lacks and on a CPU prefill engine; 256 on a CPU engine that decodes (colocated,
+    decode), decided by each engine on its own host: prompts that arrive together end one after
+    another, and the streams beside them step between the chunks
+    (pdserve_core/roofline/serving.py)."""
     device: str | None = None
     """Planner catalog name of the engines' device (e.g. "h100-sxm"); None: detect the GPU."""
     max_num_seqs: int = Field(64, gt=0)

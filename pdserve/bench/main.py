@@ -145,7 +145,7 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--vllm-arg",
-        dest="vllm_args",
+        dest="plain_vllm_args",
         action="append",
         default=[],
         metavar="FLAG",
@@ -377,7 +377,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for system in args.systems:
         work = compare.scratch(out, system)
         logger.info("starting %s", system)
-        with _system(system, work, args.overrides, args.vllm_args) as url:
+        with _system(system, work, args.overrides, args.plain_vllm_args) as url:
             for mix in args.mixes:
                 got: dict = {}
                 disaggregated = system not in ("colocated", "vllm")
@@ -388,7 +388,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "settings": {
             key: getattr(args, key)
             for key in "systems mixes rates duration_s warmup_requests seed overrides "
-            "vllm_args".split()
+            "plain_vllm_args".split()
         },
         "machine": _machine(),
         "duration_s": args.duration_s,
@@ -434,7 +434,7 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
         work = compare.scratch(out, system)
         logger.info("starting %s", system)
         system_ = {"pdserve": "adaptive"}.get(system, system)
-        with _system(system_, work, args.overrides, args.vllm_args) as url:
+        with _system(system_, work, args.overrides, args.plain_vllm_args) as url:
             model = asyncio.run(served_model(url))
             warm = conv.Conversations(2, 2, 16, 16, 8, 0.0, 0.0, args.seed + 1)
             asyncio.run(conv.run_conversations(url, warm, model, args.timeout_s))
@@ -454,7 +454,7 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
         "settings": {
             key: getattr(args, key)
             for key in "systems conversations turns system_tokens message_tokens output_tokens "
-            "think_s start_every_s seed overrides vllm_args".split()
+            "think_s start_every_s seed overrides plain_vllm_args".split()
         },
         "machine": _machine(),
         "fairness": f"pdserve: {sweep_.describe_layout('adaptive', compare.REPO, args.overrides)}"
@@ -478,12 +478,14 @@ def _chunks(args: argparse.Namespace) -> str:
 
     data = sweep_.config_data("colocated", compare.REPO, args.overrides)
     engine = data.get("engine") or {}
-    ours = cpu_chunk_size(engine.get("max_num_batched_tokens"), engine.get("max_num_seqs", 64))
-    theirs = next(
-        (a.split("=", 1)[1] for a in args.vllm_args if a.startswith("--max-num-batched-tokens=")),
-        "2048, vLLM's default",
+    configured, seqs = engine.get("max_num_batched_tokens"), engine.get("max_num_seqs", 64)
+    ours = {role: cpu_chunk_size(configured, seqs, role) or 2048 for role in ("decode", "prefill")}
+    flags = [a for a in args.plain_vllm_args if a.startswith("--max-num-batched-tokens=")]
+    theirs = flags[-1].split("=", 1)[1] if flags else "2048 (vLLM's default)"
+    return (
+        f"a step's tokens {ours['decode']} on pdserve's colocated and decode CPU engines, "
+        f"{ours['prefill']} on its prefill engines, {theirs} on vLLM's"
     )
-    return f"a step's tokens {ours} on pdserve's CPU engines, {theirs} on vLLM's"
 
 
 def _system(system: str, work: Path, overrides: list[str], vllm_args: list[str]):

@@ -293,9 +293,11 @@ class EngineActor:
         kwargs = dict(self._engine_args)
         kwargs["dtype"] = dtype.resolve(kwargs.get("dtype", dtype.NATIVE), _gpu_name() is not None)
         if _gpu_name() is None:  # decided on the engine's own host, as the dtype is
-            kwargs["max_num_batched_tokens"] = cpu_chunk_size(
-                kwargs.get("max_num_batched_tokens"), kwargs["max_num_seqs"]
+            chunk = cpu_chunk_size(
+                kwargs.get("max_num_batched_tokens"), kwargs["max_num_seqs"], self.ROLE
             )
+            if chunk:
+                kwargs["max_num_batched_tokens"] = chunk
         if kwargs.get("kv_transfer_config"):
             from vllm.config import KVTransferConfig
 

@@ -36,18 +36,24 @@ def detect_device() -> str | None:
 
 
 CPU_CHUNK_TOKENS = 256
-"""Prompt tokens a CPU engine computes in one step when the config sets no chunk (vLLM's own
-default is 2,048). On a CPU a step's cost grows with its tokens from a few dozen on, so a smaller
-chunk costs little throughput (a step's fixed part, ≈ 5 ms, against ≈ 150 ms of 256 tokens on
-a 2-core EPYC), while prompts that arrive together finish one after another instead of all at
-the end of one long step, and the streams beside them step between the chunks. Measured on
-conversations that come back together (docs/design.md, "Running on CPUs")."""
+"""Prompt tokens a CPU engine whose steps carry streams (colocated, decode) computes in one step
+when the config sets no chunk; vLLM's own default is 2,048. On a CPU a step's cost grows with its
+tokens from a few dozen on, so a smaller chunk costs little (a step's fixed part, ≈ 5 ms, against
+≈ 150 ms for 256 tokens on a 2-core EPYC), while prompts that arrive together finish one after
+another instead of all at the end of one long step, and the streams beside them step between
+the chunks. Measured on conversations whose turns come back together (docs/design.md, "Running
+on CPUs")."""
 
 
-def cpu_chunk_size(configured: int | None, max_num_seqs: int) -> int:
-    """The chunk a CPU engine runs with: the config's, else `CPU_CHUNK_TOKENS` (never below
-    `max_num_seqs`, which vLLM requires of a step's token budget)."""
-    return configured or max(CPU_CHUNK_TOKENS, max_num_seqs)
+def cpu_chunk_size(configured: int | None, max_num_seqs: int, role: str) -> int | None:
+    """The chunk a CPU engine of `role` runs with: the config's; else `CPU_CHUNK_TOKENS` (never
+    below `max_num_seqs`, which vLLM requires of a step's token budget) where streams step
+    beside the prompts; else None, vLLM's own: on a prefill node no stream waits for a step,
+    and vLLM runs a prompt it has begun before the ones waiting, so smaller steps would add
+    only their fixed parts."""
+    if configured:
+        return configured
+    return None if role == "prefill" else max(CPU_CHUNK_TOKENS, max_num_seqs)
 
 
 def default_chunk_size(model_dir: Path, device: str | None, max_num_seqs: int) -> int | None:

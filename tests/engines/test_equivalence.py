@@ -22,6 +22,7 @@ import ray
 
 from pdserve_core.engine.legs import Prefill
 from pdserve_core.engine.types import CACHE_SALT_ARG, OUTPUT_START_ARG
+from pdserve_core.roofline.serving import CPU_CHUNK_TOKENS
 from tests.engines.harness import (
     consumer,
     decode,
@@ -80,10 +81,18 @@ async def test_a_step_is_timed_with_its_forward_pass(engines, corpus):
     node = engines["d"]  # in the EngineCore's process
     seen = (await node.step_records.remote())["steps_seen"]
     await generate(node, corpus[-1500:], greedy(8), rid("timed"))
-    steps = (await node.step_records.remote(seen))["records"]
-    prompt = sum(s[5] for s in steps if s[0] > 0)  # in one step or a few chunks
+    records = await node.step_records.remote(seen)
+    steps = records["records"]
+    prompt = sum(s[5] for s in steps if s[0] > 0)  # in chunks
     decode = sorted(s[5] for s in steps if s[0] == 0 and s[2] > 0)
     assert decode and prompt > 5 * decode[len(decode) // 2], (prompt, decode)
+    # a CPU decode engine's default chunk: the prompt's steps end one after another; a prefill
+    # engine keeps vLLM's own
+    assert records["max_num_batched_tokens"] == CPU_CHUNK_TOKENS
+    chunks = [s[0] for s in steps if s[0] > 0]
+    assert len(chunks) >= 2 and max(chunks) <= CPU_CHUNK_TOKENS, chunks
+    prefill = await engines["p"].step_records.remote()
+    assert prefill["max_num_batched_tokens"] > CPU_CHUNK_TOKENS
 
 
 async def test_the_first_request_with_logprobs_finds_the_sampler_compiled(engines, corpus):

@@ -231,12 +231,15 @@ def test_serve_takes_its_chunk_from_the_planner(default_model_dir, monkeypatch):
     assert cpu.engine.max_num_batched_tokens is None  # own host decides (a CPU: below)
 
 
-def test_a_cpu_engine_steps_256_prompt_tokens_unless_told():
+def test_a_cpu_engine_with_streams_steps_256_prompt_tokens_unless_told():
     from pdserve_core.roofline.serving import CPU_CHUNK_TOKENS, cpu_chunk_size
 
-    assert cpu_chunk_size(None, 64) == CPU_CHUNK_TOKENS == 256
-    assert cpu_chunk_size(2048, 64) == 2048  # the config's own
-    assert cpu_chunk_size(None, 512) == 512  # vLLM: a step's budget holds every sequence
+    for role in ("colocated", "decode"):
+        assert cpu_chunk_size(None, 64, role) == CPU_CHUNK_TOKENS == 256
+        assert cpu_chunk_size(2048, 64, role) == 2048  # the config's own
+        assert cpu_chunk_size(None, 512, role) == 512  # vLLM: a step's budget holds every sequence
+    assert cpu_chunk_size(None, 64, "prefill") is None  # vLLM's own default
+    assert cpu_chunk_size(128, 64, "prefill") == 128
 
 
 def _minimal() -> dict:
