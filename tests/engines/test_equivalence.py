@@ -279,8 +279,9 @@ async def test_a_prefill_leg_stopped_as_its_kv_was_kept_gives_it_back_at_once(en
 
 @pytest.mark.parametrize("name", ["ref", "d"])
 async def test_a_seeded_prompt_split_across_steps_samples_as_if_whole(engines, corpus, name):
-    """Three seeded prompts of 1,500 tokens at once pass a step's token budget (2,048 on a CPU),
-    so the engine splits one across steps and drops the token it samples on the first part.
+    """Three seeded prompts of 1,500 tokens at once pass any CPU engine's step (256 tokens on
+    pdserve's that decode, vLLM's 2,048 on others), so the engine splits at least one across
+    steps and drops the token it samples on each part but the last.
     vLLM then rewinds its seeded generator by CUDA's counter, which a CPU generator does not
     have: unmended, the EngineCore dies here. Each sample must also be the one it gets alone
     (another salt: computed afresh, in one step), whether vLLM's worker runs in a process of its
