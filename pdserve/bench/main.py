@@ -474,14 +474,17 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
 
 def _chunks(args: argparse.Namespace) -> str:
     """The prompt tokens each side's engine computes in a step, as the fairness line says it."""
-    from pdserve_core.roofline.serving import cpu_chunk_size
+    from pdserve_core.config import parse_config
+    from pdserve_core.roofline.serving import VLLM_CPU_CHUNK_TOKENS, cpu_chunk_size
 
-    data = sweep_.config_data("colocated", compare.REPO, args.overrides)
-    engine = data.get("engine") or {}
-    configured, seqs = engine.get("max_num_batched_tokens"), engine.get("max_num_seqs", 64)
-    ours = {role: cpu_chunk_size(configured, seqs, role) or 2048 for role in ("decode", "prefill")}
+    engine = parse_config(sweep_.config_data("colocated", compare.REPO, args.overrides)).engine
+    ours = {
+        role: cpu_chunk_size(engine.max_num_batched_tokens, engine.max_num_seqs, role)
+        or VLLM_CPU_CHUNK_TOKENS
+        for role in ("decode", "prefill")
+    }
     flags = [a for a in args.plain_vllm_args if a.startswith("--max-num-batched-tokens=")]
-    theirs = flags[-1].split("=", 1)[1] if flags else "2048 (vLLM's default)"
+    theirs = flags[-1].split("=", 1)[1] if flags else f"{VLLM_CPU_CHUNK_TOKENS} (vLLM's default)"
     return (
         f"a step's tokens {ours['decode']} on pdserve's colocated and decode CPU engines, "
         f"{ours['prefill']} on its prefill engines, {theirs} on vLLM's"

@@ -291,8 +291,9 @@ class EngineActor:
         started = time.monotonic()
         self._stream_context = server_tls(self._stream_tls)  # a bad file fails the start here
         kwargs = dict(self._engine_args)
-        kwargs["dtype"] = dtype.resolve(kwargs.get("dtype", dtype.NATIVE), _gpu_name() is not None)
-        if _gpu_name() is None:  # decided on the engine's own host, as the dtype is
+        gpu = _gpu_name() is not None
+        kwargs["dtype"] = dtype.resolve(kwargs.get("dtype", dtype.NATIVE), gpu)
+        if not gpu:  # decided on the engine's own host, as the dtype is
             chunk = cpu_chunk_size(
                 kwargs.get("max_num_batched_tokens"), kwargs["max_num_seqs"], self.ROLE
             )
@@ -363,10 +364,7 @@ class EngineActor:
             mended = await self._engine.collective_rpc("pdserve_keep_seeds_across_chunks")
         except Exception as error:
             mended = [f"{type(error).__name__}: {error}"]
-        if (
-            all(m is True for m in mended)
-            or self._engine.vllm_config.device_config.device_type != "cpu"
-        ):
+        if all(m is True for m in mended):
             return
         logger.warning(
             "%s: seeded sampling across split prompts not mended (%s): on this CPU engine a "

@@ -17,8 +17,8 @@ QUALNAME = "pdserve_core.engine.worker.WorkerExtension"
 class WorkerExtension(KVWorkerExtension):
     def pdserve_keep_seeds_across_chunks(self) -> bool:
         """Mend this worker's model runner for seeded requests whose prompt a step splits
-        (`keep_seeds_across_chunks`); False where it needs no mend (not a CPU) or vLLM's runner
-        no longer has what the mend wraps."""
+        (`keep_seeds_across_chunks`); False where vLLM's runner no longer has what the mend
+        wraps."""
         return keep_seeds_across_chunks(self.model_runner)
 
     def pdserve_warm_sampler(self) -> float:
@@ -59,11 +59,10 @@ def keep_seeds_across_chunks(runner: Any) -> bool:
 
     Here the runner keeps the state of each generator whose token the step will drop before it
     samples, puts it back after, and hides those generators from vLLM's rewind: the same
-    outcome by the means a CPU generator has (`get_state`/`set_state`)."""
-    if getattr(runner, "_pdserve_seeds_kept", False):
+    outcome by the means a CPU generator has (`get_state`/`set_state`). True where seeded
+    splits are safe: mended here, or not a CPU (vLLM's rewind works there)."""
+    if getattr(runner, "device", None) is not None and runner.device.type != "cpu":
         return True
-    if getattr(runner, "device", None) is None or runner.device.type != "cpu":
-        return False
     if not all(
         hasattr(runner, a) for a in ("_sample", "_bookkeeping_sync", "discard_request_mask")
     ):
@@ -75,6 +74,8 @@ def keep_seeds_across_chunks(runner: Any) -> bool:
     def dropped() -> list[int]:
         """The rows of this step whose token is dropped and that carry a generator."""
         batch = runner.input_batch
+        if not batch.generators:  # no seeded request in the step: nothing to keep
+            return []
         rows = np.nonzero(runner.discard_request_mask.np[: batch.num_reqs])[0].tolist()
         return [row for row in rows if row in batch.generators]
 
@@ -96,5 +97,4 @@ def keep_seeds_across_chunks(runner: Any) -> bool:
             generators.update(hidden)
 
     runner._sample, runner._bookkeeping_sync = _sample, _bookkeeping_sync
-    runner._pdserve_seeds_kept = True
     return True

@@ -35,6 +35,9 @@ def detect_device() -> str | None:
     return next((name for part, name in _CUDA_NAMES if part in cuda_name), None)
 
 
+VLLM_CPU_CHUNK_TOKENS = 2048
+"""vLLM's own chunk on a CPU (its OpenAI server's `max_num_batched_tokens`)."""
+
 CPU_CHUNK_TOKENS = 256
 """Prompt tokens a CPU engine whose steps carry streams (colocated, decode) computes in one step
 when the config sets no chunk; vLLM's own default is 2,048. On a CPU a step's cost grows with its
