@@ -98,9 +98,11 @@ class EngineConfig(_Strict):
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prompt prefixes."""
     block_size: int | None = Field(None, gt=0)
-    """Tokens per KV block (vLLM's `block_size`; None: vLLM's default for the device, 128 on
-    CPU). The prefix cache reuses whole blocks only: smaller blocks reuse more of a
-    conversation's history (its answers end mid-block). CPU engines take multiples of 32."""
+    """Tokens per KV block (vLLM's `block_size`). None: 32 on a CPU engine of any role, decided
+    on its own host (vLLM's default there is 128), vLLM's default on a GPU. The prefix cache
+    reuses whole blocks only: smaller blocks reuse more of a conversation's history (its answers
+    end mid-block), which a conversation's next turn would otherwise compute again. CPU engines
+    take multiples of 32 (pdserve_core/roofline/serving.py)."""
     reasoning_parser: str | None = None
     """vLLM's reasoning parser for the served model (`vllm serve --reasoning-parser`, e.g.
     "deepseek_r1"): the HTTP face splits each answer's reasoning from its content with it, and

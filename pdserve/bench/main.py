@@ -473,9 +473,15 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
 
 
 def _chunks(args: argparse.Namespace) -> str:
-    """The prompt tokens each side's engine computes in a step, as the fairness line says it."""
+    """The prompt tokens each side's engine computes in a step and the tokens in each side's KV
+    block, as the fairness line says them."""
     from pdserve_core.config import parse_config
-    from pdserve_core.roofline.serving import VLLM_CPU_CHUNK_TOKENS, cpu_chunk_size
+    from pdserve_core.roofline.serving import (
+        VLLM_CPU_BLOCK_TOKENS,
+        VLLM_CPU_CHUNK_TOKENS,
+        cpu_block_size,
+        cpu_chunk_size,
+    )
 
     engine = parse_config(sweep_.config_data("colocated", compare.REPO, args.overrides)).engine
     ours = {
@@ -483,11 +489,17 @@ def _chunks(args: argparse.Namespace) -> str:
         or VLLM_CPU_CHUNK_TOKENS
         for role in ("decode", "prefill")
     }
-    flags = [a for a in args.plain_vllm_args if a.startswith("--max-num-batched-tokens=")]
-    theirs = flags[-1].split("=", 1)[1] if flags else f"{VLLM_CPU_CHUNK_TOKENS} (vLLM's default)"
+
+    def theirs(flag: str, default: int) -> str:
+        given = [a for a in args.plain_vllm_args if a.startswith(f"{flag}=")]
+        return given[-1].split("=", 1)[1] if given else f"{default} (vLLM's default)"
+
     return (
         f"a step's tokens {ours['decode']} on pdserve's colocated and decode CPU engines, "
-        f"{ours['prefill']} on its prefill engines, {theirs} on vLLM's"
+        f"{ours['prefill']} on its prefill engines, "
+        f"{theirs('--max-num-batched-tokens', VLLM_CPU_CHUNK_TOKENS)} on vLLM's; "
+        f"KV blocks of {cpu_block_size(engine.block_size)} tokens on pdserve's CPU engines, "
+        f"{theirs('--block-size', VLLM_CPU_BLOCK_TOKENS)} on vLLM's"
     )
 
 

@@ -60,7 +60,7 @@ from pdserve_core.engine.types import (
 from pdserve_core.engine.worker import QUALNAME as WORKER_EXTENSION
 from pdserve_core.kv.stats import KVGauges
 from pdserve_core.roofline.live import resolve_peaks
-from pdserve_core.roofline.serving import cpu_chunk_size
+from pdserve_core.roofline.serving import cpu_block_size, cpu_chunk_size
 from pdserve_core.roofline.stepmodel import StepModel, device_key, find_step_model, model_key
 
 logger = logging.getLogger(__name__)
@@ -299,6 +299,7 @@ class EngineActor:
             )
             if chunk:
                 kwargs["max_num_batched_tokens"] = chunk
+            kwargs["block_size"] = cpu_block_size(kwargs.get("block_size"))
         if kwargs.get("kv_transfer_config"):
             from vllm.config import KVTransferConfig
 
@@ -337,7 +338,13 @@ class EngineActor:
             start_s=round(time.monotonic() - started, 2),
             **await self._kv_endpoint(),
         )
-        logger.info("engine %s ready in %.1f s", self._name, info.start_s)
+        logger.info(
+            "engine %s ready in %.1f s (KV blocks of %d tokens, at most %d tokens a step)",
+            self._name,
+            info.start_s,
+            info.block_size,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+        )
         return info
 
     async def _warm_sampler(self) -> None:

@@ -48,6 +48,24 @@ the chunks. Measured on conversations whose turns come back together (docs/desig
 on CPUs")."""
 
 
+VLLM_CPU_BLOCK_TOKENS = 128
+"""vLLM's own KV block on a CPU (its `block_size` default there)."""
+
+CPU_BLOCK_TOKENS = 32
+"""Tokens per KV block of a CPU engine when the config sets none (`engine.block_size`); vLLM's
+own default there is 128. The prefix cache gives back whole blocks only, so a prompt that comes
+back with what was computed before (a conversation's next turn: the history, the answer, a new
+message) computes again the part of the history past its last whole block: 64 tokens on average
+at 128, 16 at 32. The CPU attention kernels take multiples of 32. Every CPU engine takes the same
+default, so a prefill engine's blocks and a decode engine's line up. Measured on conversations
+(docs/design.md, "Running on CPUs")."""
+
+
+def cpu_block_size(configured: int | None) -> int:
+    """The KV block a CPU engine runs with: the config's, else `CPU_BLOCK_TOKENS`."""
+    return configured or CPU_BLOCK_TOKENS
+
+
 def cpu_chunk_size(configured: int | None, max_num_seqs: int, role: str) -> int | None:
     """The chunk a CPU engine of `role` runs with: the config's; else `CPU_CHUNK_TOKENS` (never
     below `max_num_seqs`, which vLLM requires of a step's token budget) where streams step

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from pdserve.bench.compare import launch
+from pdserve_core.roofline.serving import CPU_BLOCK_TOKENS
 
 START_DEADLINE_S = 300
 STOP_DEADLINE_S = 60
@@ -177,7 +178,8 @@ def offline_reference(
     model_dir: Path, work: Path, completions: list, chats: list, dtype: str
 ) -> dict:
     """Greedy outputs of plain vLLM's offline `LLM` for the same prompts, one at a time, with
-    the served engine's dtype, threads and binding (tests/helpers/offline_reference.py)."""
+    the served engine's dtype, KV block, threads and binding
+    (tests/helpers/offline_reference.py)."""
     from tests.conftest import REPO
 
     job = work / "job.json"
@@ -187,6 +189,7 @@ def offline_reference(
                 "model": str(model_dir),
                 "dtype": dtype,
                 "max_model_len": 2048,
+                "block_size": CPU_BLOCK_TOKENS,
                 "completions": completions,
                 "chats": chats,
             }

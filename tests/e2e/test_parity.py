@@ -16,6 +16,7 @@ import os
 import httpx
 import pytest
 
+from pdserve_core.roofline.serving import CPU_BLOCK_TOKENS
 from tests.conftest import phase
 from tests.e2e import parity
 from tests.e2e.conftest import finish_server, start_server
@@ -65,7 +66,10 @@ def _serve(system: str, model_dir, work, reasoning_parser: str | None = None):
             "SmolLM2-135M-Instruct",
             work,
             dtype="float32",
-            extra=("--enable-prompt-tokens-details", *FLAGS, *more),
+            # pdserve's CPU engines' KV block (vLLM's default there is 128): the cached-token
+            # counts compared below are whole blocks
+            extra=("--enable-prompt-tokens-details", "--block-size", str(CPU_BLOCK_TOKENS))
+            + (*FLAGS, *more),
         )
 
     @contextlib.contextmanager

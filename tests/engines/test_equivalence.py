@@ -22,7 +22,7 @@ import ray
 
 from pdserve_core.engine.legs import Prefill
 from pdserve_core.engine.types import CACHE_SALT_ARG, OUTPUT_START_ARG
-from pdserve_core.roofline.serving import CPU_CHUNK_TOKENS
+from pdserve_core.roofline.serving import CPU_BLOCK_TOKENS, CPU_CHUNK_TOKENS
 from tests.engines.harness import (
     consumer,
     decode,
@@ -39,11 +39,12 @@ from tests.engines.harness import (
     wait_for,
 )
 
-BLOCK = 128
+BLOCK = CPU_BLOCK_TOKENS  # every engine here runs a CPU engine's default KV block
 MAX_TOKENS = 16
-# 1 token to near max_model_len (2048); k*128 and k*128+1 boundaries; slices from the start of
-# the corpus share prefixes with each other (prefix caching on both sides).
-SHARED = [1, 2, 7, 64, 127, 128, 129, 255, 256, 257, 385, 513, 777, 1025, 1600, 2000]
+# 1 token to near max_model_len (2048); block boundaries (k*32; k*128, vLLM's CPU default) and
+# one past them; slices from the start of the corpus share prefixes with each other (prefix
+# caching on both sides).
+SHARED = [1, 2, 7, 32, 33, 64, 127, 128, 129, 255, 256, 257, 385, 513, 777, 1025, 1600, 2000]
 FRESH = [(700, 5), (900, 129), (1100, 300), (1400, 641), (1800, 384), (300, 1500)]
 
 
@@ -93,6 +94,9 @@ async def test_a_step_is_timed_with_its_forward_pass(engines, corpus):
     assert len(chunks) >= 2 and max(chunks) <= CPU_CHUNK_TOKENS, chunks
     prefill = await engines["p"].step_records.remote()
     assert prefill["max_num_batched_tokens"] > CPU_CHUNK_TOKENS
+    # and every CPU engine, whatever its role, its default KV block: a prefill engine's blocks
+    # line up with a decode engine's
+    assert {info.block_size for info in engines.infos.values()} == {CPU_BLOCK_TOKENS}
 
 
 async def test_the_first_request_with_logprobs_finds_the_sampler_compiled(engines, corpus):
@@ -153,7 +157,7 @@ async def test_greedy_tokens_match_one_engine_prompt_by_prompt(engines, corpus, 
         assert computed == 1, (name, computed)
         if name.startswith("fresh"):
             assert loaded == len(prompt), name
-    assert checked == 22
+    assert checked == 24
     assert not mismatches, f"{len(mismatches)} of {checked} differ: {mismatches[:3]}"
 
 

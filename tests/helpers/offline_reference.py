@@ -21,6 +21,7 @@ def main() -> None:
         enforce_eager=True,
         max_model_len=job["max_model_len"],
         seed=0,
+        block_size=job["block_size"],
     )
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n)  # noqa: E731
     completions = [llm.generate([p], greedy(n))[0].outputs[0].text for p, n in job["completions"]]

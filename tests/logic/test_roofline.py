@@ -242,6 +242,13 @@ def test_a_cpu_engine_with_streams_steps_256_prompt_tokens_unless_told():
     assert cpu_chunk_size(128, 64, "prefill") == 128
 
 
+def test_a_cpu_engine_keeps_32_token_kv_blocks_unless_told():
+    from pdserve_core.roofline.serving import CPU_BLOCK_TOKENS, cpu_block_size
+
+    assert cpu_block_size(None) == CPU_BLOCK_TOKENS == 32
+    assert cpu_block_size(128) == 128  # the config's own
+
+
 def _minimal() -> dict:
     return {
         "hidden_size": 2048,
