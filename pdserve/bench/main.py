@@ -402,7 +402,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         + "; vllm: one engine with two threads on cores 0-1; same engine "
         f"settings ({sweep_.engines_dtype(compare.REPO, args.overrides)}, eager, max_model_len "
         "2048, 64 sequences, tcmalloc and Intel OpenMP preloaded), "
-        f"{_chunks(args)}, fresh server per system.",
+        f"{_steps_and_blocks(args)}, fresh server per system.",
         "points": points,
     }
     results["headline"] = sweep_.headline(results, args.slos)
@@ -459,8 +459,8 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
         "machine": _machine(),
         "fairness": f"pdserve: {sweep_.describe_layout('adaptive', compare.REPO, args.overrides)}"
         "; vllm: one engine with two threads on cores 0-1; same engine settings but "
-        f"{_chunks(args)}, prefix caching on in all; the same conversations; fresh server "
-        "per system.",
+        f"{_steps_and_blocks(args)}, prefix caching on in all; the same conversations; fresh "
+        "server per system.",
         "runs": runs,
         "kv_bytes_per_token": conv.kv_bytes_per_token(),
     }
@@ -472,7 +472,7 @@ def cmd_multiturn(args: argparse.Namespace) -> int:
     return 0 if all(not run["errors"] for run in runs.values()) else 1
 
 
-def _chunks(args: argparse.Namespace) -> str:
+def _steps_and_blocks(args: argparse.Namespace) -> str:
     """The prompt tokens each side's engine computes in a step and the tokens in each side's KV
     block, as the fairness line says them."""
     from pdserve_core.config import parse_config
