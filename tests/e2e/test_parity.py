@@ -318,6 +318,9 @@ def reasoning_answers(answers):
 def test_same_reasoning_as_plain_vllm(reasoning_answers, name):
     expected, got = reasoning_answers["vllm"][name], reasoning_answers["disaggregated"][name]
     assert got["status"] == expected["status"], (got, expected)
+    # the chats share a prompt longer than a 32-token block and run side by side: which found
+    # the others' blocks cached depends on the order they met, on either server
+    expected, got = _without_cache_hits(expected), _without_cache_hits(got)
     problems = parity.differences(expected, got, name)
     assert not problems, "\n".join(problems[:10])
 
