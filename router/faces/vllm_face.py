@@ -480,6 +480,19 @@ def _error(error: Any) -> RequestError:
     return cls(body.message, body.param)
 
 
+def _invalid(error: Any) -> InvalidRequest:
+    """A pydantic `ValidationError` as one message naming each problem. A field of several forms
+    (`stop`: a string or a list of at most 4) fails once per form, and the form the value was
+    not ("Input should be a valid string") says least: a bound it broke is named first."""
+    problems = error.errors(include_url=False, include_input=False)
+    telling = [p for p in problems if not p["type"].endswith("_type")] or problems
+    said = dict.fromkeys(
+        f"{'.'.join(str(part) for part in p['loc'])}: {p['msg']}" for p in telling[:3]
+    )
+    where = str(telling[0]["loc"][0]) if telling and telling[0]["loc"] else None
+    return InvalidRequest("; ".join(said) or str(error), where)
+
+
 class Renderer:
     """Renders an OpenAI-shaped body as vLLM's serving layer does for HTTP (the same
     validation, chat template, defaults and `max_tokens`): the gRPC face's requests take the
@@ -528,9 +541,7 @@ class Renderer:
             )
             params = request.to_sampling_params(max_tokens, serving.default_sampling_params)
         except ValidationError as error:
-            first = error.errors()[0] if error.errors() else {}
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            raise InvalidRequest(f"{where}: {first.get('msg', error)}", where or None) from None
+            raise _invalid(error) from None
         except (VLLMError, ValueError, TypeError, OverflowError) as error:
             raise InvalidRequest(str(error), getattr(error, "parameter", None)) from None
         return prepare(prompt, params, request_id)

@@ -272,6 +272,12 @@ async def test_grpc_streams_and_maps_errors(router):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             [r async for r in stub.Generate(bad, metadata=auth)]
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # `stop` is a string or a list of at most 4: the bound is what the message names
+        five = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(stop=["a"] * 5))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [r async for r in stub.Generate(five, metadata=auth)]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 4" in refused.value.details(), refused.value.details()
         for schema, says in (
             ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
             ('{"enum": ["' + "x" * (70 << 10) + '"]}', "router.max_schema_bytes"),
