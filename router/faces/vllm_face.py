@@ -366,6 +366,11 @@ class PoolsEngineClient(EngineClient):
     async def is_paused(self) -> bool:
         return False
 
+    async def scale_elastic_ep(self, new_data_parallel_size: int, drain_timeout: int = 300) -> None:
+        # vLLM's /scale_elastic_ep answers a ValueError with a 400 carrying its message (and
+        # anything else with a bare 500)
+        raise ValueError(SCALE_REFUSED)
+
     def shutdown(self, timeout: float | None = None) -> None:
         self._stopped = True
 
@@ -415,6 +420,12 @@ async def _no_beam_search(*args: Any, **kwargs: Any) -> AsyncGenerator[RequestOu
     over the pools each would be a prefill and a KV hand-over. Refused instead."""
     raise GracefulHTTPError(BEAM_SEARCH, HTTPStatus.BAD_REQUEST)
     yield  # pragma: no cover  (an async generator, as the serving layer iterates it)
+
+
+SCALE_REFUSED = (
+    "pdserve scales by nodes, not by vLLM's elastic expert parallelism: pools.autoscale moves "
+    "nodes between the pools, and `pools.<name>.replicas` sets their number"
+)
 
 
 REPLACED_PATHS = frozenset({"/health", "/metrics"})

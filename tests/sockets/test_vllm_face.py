@@ -243,3 +243,31 @@ async def test_a_generation_request_meets_its_route_first_and_no_unread_instrume
     assert [
         m.cls.__module__ for m in app.user_middleware if "instrumentator" in m.cls.__module__
     ] == []
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_every_route_answers_an_empty_or_a_plausible_body_without_a_5xx(http, face):
+    """Every route vLLM's server has (its OpenAPI schema: the Anthropic, SageMaker, batch and
+    scoring routes too), asked with an empty body and with one that names what the common routes
+    need: a 2xx or a 4xx with a JSON error, never a 5xx. /scale_elastic_ep answered 500: the
+    pools' client had no such scaling, and vLLM answers anything but a ValueError with a bare
+    500."""
+    schema = (await http.get("/openapi.json")).json()
+    plausible = {
+        "model": "smol", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+        "input": "hi", "max_tokens": 2, "tokens": [1, 2], "query": "q", "items": ["a"],
+        "label_token_ids": [1], "new_data_parallel_size": 2,
+    }  # fmt: skip
+    answered = {}
+    for path, methods in schema["paths"].items():
+        path = path.replace("{response_id}", "resp_none")
+        for method in methods:
+            for body in ({}, plausible) if method == "post" else (None,):
+                response = await http.request(method.upper(), path, json=body)
+                answered[(method, path, bool(body))] = response.status_code
+                if response.status_code >= 400:
+                    assert "error" in response.json() or "detail" in response.json(), path
+    assert [key for key, status in answered.items() if status >= 500] == []
+    assert answered[("post", "/v1/messages", True)] == 200  # the routes were really asked
+    scaled = await http.post("/scale_elastic_ep", json={"new_data_parallel_size": 2})
+    assert scaled.status_code == 400 and "pools.autoscale" in scaled.text
