@@ -33,7 +33,7 @@ GRAMMAR = 'root ::= ("yes" | "no") " because " [a-z ]{1,20}'
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # completion | chat | responses | tokenize | detokenize
+    kind: str  # completion | chat | responses | tokenize | detokenize | messages | scoring
     body: dict
     stream: bool = False
 
@@ -142,6 +142,20 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
         Case("tokenize", "tokenize", {"prompt": COMPLETION}),
         Case("tokenize-chat", "tokenize", {"messages": CHAT, "add_generation_prompt": True}),
         Case("detokenize", "detokenize", {"tokens": long_prompt[:40]}),
+        # the Anthropic Messages API and generative scoring: vLLM's routes over the same engines
+        Case("messages", "messages", {"messages": CHAT, **_MESSAGES}),
+        Case("messages-stream", "messages", {"messages": CHAT, **_MESSAGES}, True),
+        Case(
+            "messages-stop",
+            "messages",
+            # a space: in any answer of 16 tokens, whatever the model says on this host
+            {"messages": CHAT, "system": "Be brief.", "stop_sequences": [" ", "."], **_MESSAGES},
+        ),
+        Case(
+            "scoring",
+            "scoring",
+            {"query": COMPLETION, "items": [" Paris", " Lyon"], "label_token_ids": long_prompt[:3]},
+        ),
         completion("priority", max_tokens=4, priority=3),
         # refused by vLLM unless it is told to trust request templates: the same here
         chat("request-chat-template", max_tokens=4, chat_template="{{ 'A' * 9 }}"),
@@ -284,6 +298,7 @@ _TOOL = {
 }
 _NAMED = {"type": "function", "function": {"name": "weather"}}
 _RESPONSES = {"max_output_tokens": 16, "temperature": 0}
+_MESSAGES = {"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0}
 
 TOOL_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 """`vllm serve` flags every parity server gets (with `--chat-template`: tools_chat_template.jinja
@@ -335,6 +350,8 @@ PATHS = {
     "responses": "/v1/responses",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
+    "messages": "/v1/messages",
+    "scoring": "/generative_scoring",
 }
 
 
@@ -347,10 +364,14 @@ def send(url: str, case: Case) -> dict:
             response = client.post(path, json=body)
             if response.status_code != 200:
                 return {"status": response.status_code}
+            if case.kind == "scoring":
+                return observe_scores(response.json())
             if case.kind not in GENERATE:
                 return {"status": 200, **response.json()}
             if case.kind == "responses":
                 return observe_response(response.json())
+            if case.kind == "messages":
+                return observe_message(response.json())
             return observe(case.kind, response.json())
         with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
@@ -359,11 +380,13 @@ def send(url: str, case: Case) -> dict:
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     if case.kind == "responses":
         return observe_response_stream([json.loads(e) for e in events])
+    if case.kind == "messages":
+        return observe_message_stream([json.loads(e) for e in events])
     assert events[-1] == "[DONE]", events[-3:]
     return observe_stream(case.kind, [json.loads(e) for e in events[:-1]])
 
 
-GENERATE = ("completion", "chat", "responses")
+GENERATE = ("completion", "chat", "responses", "messages")
 
 IN_ORDER = ("cached", "salted", "cache-salt")
 """Cases whose answer depends on what the server cached before them (usage's cached tokens,
@@ -407,6 +430,41 @@ def observe_response_stream(events: list[dict]) -> dict:
         "text": text,
         "final": final,
         "kinds": sorted({e["type"] for e in events}),
+    }
+
+
+def observe_message(body: dict) -> dict:
+    """An Anthropic Messages answer: its content blocks, why it stopped and its token counts
+    (the id is the server's own)."""
+    return {
+        "status": 200,
+        "content": [(block["type"], block.get("text")) for block in body["content"]],
+        "stop": (body["stop_reason"], body.get("stop_sequence")),
+        "usage": (body["usage"]["input_tokens"], body["usage"]["output_tokens"]),
+    }
+
+
+def observe_message_stream(events: list[dict]) -> dict:
+    deltas = [e["delta"] for e in events if e.get("type") == "content_block_delta"]
+    end = next((e for e in reversed(events) if e.get("type") == "message_delta"), {})
+    usage = end.get("usage") or {}
+    return {
+        "status": 200,
+        "text": "".join(delta.get("text", "") for delta in deltas),
+        "kinds": [e["type"] for e in events if e["type"] != "content_block_delta"],
+        "stop": end.get("delta"),
+        "usage": (usage.get("input_tokens"), usage.get("output_tokens")),
+    }
+
+
+def observe_scores(body: dict) -> dict:
+    """Generative scoring: each item's probability of the first label token (floats: compared
+    within `differences`' tolerance) and the token counts."""
+    usage = body["usage"]
+    return {
+        "status": 200,
+        "scores": [(item["index"], item["score"]) for item in body["data"]],
+        "usage": (usage["prompt_tokens"], usage["completion_tokens"]),
     }
 
 

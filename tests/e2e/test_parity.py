@@ -293,6 +293,10 @@ def test_the_cases_exercise_what_they_claim(answers):
     assert vllm["responses-stream"]["text"]
     assert vllm["tokenize"]["count"] == len(vllm["tokenize"]["tokens"]) > 0
     assert vllm["detokenize"]["prompt"]
+    assert vllm["messages"]["content"][0][1] == vllm["messages-stream"]["text"] != ""
+    assert vllm["messages-stream"]["stop"]["stop_reason"] == "max_tokens"
+    assert vllm["messages-stop"]["stop"][0] == "stop_sequence"
+    assert all(0 < score < 1 for _, score in vllm["scoring"]["scores"])
     assert vllm["priority"]["status"] == 200
     assert vllm["request-chat-template"]["status"] == 400
     assert vllm["template-kwargs-template"]["status"] == 400
