@@ -63,8 +63,9 @@ def counted() -> None:
         request["counted"] = True
 
 
-REFUSED_FIELDS = frozenset({"kv_transfer_params", "vllm_xargs"})
-"""Fields the router refuses from every client (router/faces/vllm_face.py, `prepare`)."""
+REFUSED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs")
+"""Fields the router refuses from every client when they say anything (router/faces/vllm_face.py,
+`prepare`: vLLM passes them to the engine only when truthy)."""
 
 
 def runnable(body: bytes) -> bool:
@@ -74,7 +75,7 @@ def runnable(body: bytes) -> bool:
         data = json.loads(body)
     except (ValueError, RecursionError):
         return False
-    return isinstance(data, dict) and not REFUSED_FIELDS & data.keys()
+    return isinstance(data, dict) and not any(data.get(name) for name in REFUSED_FIELDS)
 
 
 class Guard:

@@ -198,9 +198,10 @@ def prepare(prompt: Any, sampling_params: Any, request_id: str) -> PreparedReque
     refused; its `cache_salt` carried to every leg."""
     if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
         raise InvalidRequest("pdserve serves token prompts (no multi-modal or streaming input)")
-    if sampling_params.extra_args:  # a client's kv_transfer_params or vllm_xargs
+    if sampling_params.extra_args:  # a client's kv_transfer_params, ec_transfer_params, xargs
         extra = sampling_params.extra_args
-        field = "kv_transfer_params" if "kv_transfer_params" in extra else "vllm_xargs"
+        named = (name for name in ("kv_transfer_params", "ec_transfer_params") if name in extra)
+        field = next(named, "vllm_xargs")  # vLLM puts the first two among the last
         raise InvalidRequest(f"{field} {ENGINE_INTERNAL}", field)
     _check_wire_ints(sampling_params)
     salt = prompt.get("cache_salt")

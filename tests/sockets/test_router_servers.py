@@ -231,9 +231,13 @@ async def test_no_node_left_is_503_and_a_full_router_429(http, router):
     for bad in (
         await http.post("/v1/completions", content=nested, headers=JSON),
         await http.post("/v1/completions", json=internal),
+        await http.post("/v1/completions", json={"prompt": "hi", "ec_transfer_params": {"x": 1}}),
         await http.post("/v1/completions", content=b"[1, 2]", headers=JSON),
     ):
         assert bad.status_code == 400, bad.text
+    # an empty one says nothing (vLLM passes it on only when it does): the gate answers as ever
+    empty = await http.post("/v1/completions", json={"prompt": "hi", "kv_transfer_params": {}})
+    assert empty.status_code == 503, empty.text
     router.reset()
     router.nodes["d0"].delay_s = 0.2
     body = {"prompt": "hi", "max_tokens": 20, "stream": True}

@@ -179,6 +179,8 @@ async def test_engine_internal_fields_are_refused_and_the_salt_reaches_every_leg
     for field, value in (
         ("kv_transfer_params", {"do_remote_prefill": True, "remote_host": "10.0.0.1"}),
         ("vllm_xargs", {"pdserve_cache_salt": "someone-else"}),
+        # the differential fuzz found it refused as "vllm_xargs", a field the body did not have
+        ("ec_transfer_params", {"x": []}),
     ):
         refused = await http.post("/v1/completions", json={**hi, field: value})
         assert refused.status_code == 400 and field in refused.json()["error"]["message"]
