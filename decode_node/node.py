@@ -87,8 +87,13 @@ class DecodeNode(EngineActor):
         run = self._run(leg.request_id, prompt + first, params, len(prompt))
         async with aclosing(run) as deltas:  # a stopped leg is aborted in vLLM before it ends
             async for delta in deltas:
-                if delta.finish_reason == "error":
-                    raise await self._kv_failure(leg.request_id)
+                if delta.finish_reason == "error" and (
+                    failed := await self._kv_failure(leg.request_id)
+                ):
+                    raise failed
+                # any other error the engine ended the request with (its log says why: a
+                # grammar that rejects the token it sampled) reaches the client as it would
+                # from one engine
                 if found is None:
                     found = delta.num_cached_tokens
                 yield replace(delta, num_prompt_tokens=len(prompt))
@@ -146,12 +151,13 @@ class DecodeNode(EngineActor):
                 return why
         return None
 
-    async def _kv_failure(self, request_id: str) -> KVLoadFailed:
-        """The reason for this request's failed pull, waiting for it to arrive with the step's
-        stats."""
+    async def _kv_failure(self, request_id: str) -> KVLoadFailed | None:
+        """The failed pull that ended this request with an error, waiting for it to arrive with
+        the step's stats; None when the connector recorded none (the error was the engine's
+        own)."""
         deadline = time.monotonic() + FAILURE_REASON_WAIT_S
         while time.monotonic() < deadline:
             if why := self._failure_of(request_id):
                 return KVLoadFailed(*why)
             await asyncio.sleep(0.02)
-        return KVLoadFailed("unknown", "the engine reported a KV load failure")
+        return None

@@ -26,7 +26,13 @@ from pdserve_core.engine.types import TokenDelta
 from pdserve_core.tls import ServerFiles, read_bytes
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
-from router.errors import InvalidRequest, PoolUnavailable, RequestError, Unauthorized
+from router.errors import (
+    EngineFailed,
+    InvalidRequest,
+    PoolUnavailable,
+    RequestError,
+    Unauthorized,
+)
 from router.faces.auth import authorized
 from router.faces.connections import PerClient, grpc_options
 from router.request import PreparedRequest
@@ -42,6 +48,9 @@ Render = Callable[[str, dict[str, Any], str], Awaitable[PreparedRequest]]
 
 def _status(error: RequestError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.grpc_status)
+
+
+ENGINE_ERROR = "the engine ended the request with an error (the node's log says why)"
 
 
 _OPTIONAL = (
@@ -168,6 +177,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             async with aclosing(self.service.deltas(admitted)) as deltas:
                 async for delta in deltas:
+                    if delta.finish_reason == "error":  # HTTP's 500, as vLLM answers it
+                        raise EngineFailed(ENGINE_ERROR)
                     count = completion.get(delta.index, 0) + len(delta.token_ids)
                     completion[delta.index] = count
                     if cached is None and delta.num_cached_tokens is not None:

@@ -142,6 +142,9 @@ def cases(long_prompt: list[int], full: bool) -> list[Case]:
         Case("tokenize", "tokenize", {"prompt": COMPLETION}),
         Case("tokenize-chat", "tokenize", {"messages": CHAT, "add_generation_prompt": True}),
         Case("detokenize", "detokenize", {"tokens": long_prompt[:40]}),
+        # vLLM's grammar finds no token for an unassigned code point and ends the request with
+        # an error (a 500): the engine's own, not a KV hand-over's
+        completion("grammar-error", max_tokens=4, structured_outputs={"regex": "\U000bba58"}),
         # the Anthropic Messages API and generative scoring: vLLM's routes over the same engines
         Case("messages", "messages", {"messages": CHAT, **_MESSAGES}),
         Case("messages-stream", "messages", {"messages": CHAT, **_MESSAGES}, True),
@@ -362,6 +365,8 @@ def send(url: str, case: Case) -> dict:
     with httpx.Client(base_url=url, timeout=300) as client:
         if not case.stream:
             response = client.post(path, json=body)
+            if response.status_code >= 500:  # what the server says went wrong, too
+                return {"status": response.status_code, "error": response.json()["error"]}
             if response.status_code != 200:
                 return {"status": response.status_code}
             if case.kind == "scoring":

@@ -296,6 +296,7 @@ def test_the_cases_exercise_what_they_claim(answers):
     assert vllm["messages"]["content"][0][1] == vllm["messages-stream"]["text"] != ""
     assert vllm["messages-stream"]["stop"]["stop_reason"] == "max_tokens"
     assert vllm["messages-stop"]["stop"][0] == "stop_sequence"
+    assert vllm["grammar-error"]["status"] == 500
     assert all(0 < score < 1 for _, score in vllm["scoring"]["scores"])
     assert vllm["priority"]["status"] == 200
     assert vllm["request-chat-template"]["status"] == 400

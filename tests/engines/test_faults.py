@@ -18,9 +18,11 @@ import psutil
 import pytest
 import ray
 
+from pdserve_core.engine.legs import Prefill
 from pdserve_core.engine.types import KVLoadFailed
 from tests.engines.harness import (
     SECRET,
+    call,
     consumer,
     decode,
     disaggregated,
@@ -253,6 +255,32 @@ async def test_kv_that_never_crosses_is_counted_and_named_though_nothing_failed(
     last = await engines["d"].stats.remote()
     assert last.handovers_total == after.handovers_total + 1
     assert last.handovers_recomputed_total == after.handovers_recomputed_total, last.last_recompute
+    await assert_producer_drains(engines["p"])
+
+
+async def test_an_engine_error_of_its_own_is_passed_on_not_taken_for_a_failed_pull(engines, corpus):
+    """vLLM ends a request with an error of its own, too: a regex of an unassigned code point
+    (U+BBA58, found by the fuzzing tier's requests) leaves its grammar no token to allow, and it
+    rejects the one it sampled (one engine's answer: the error; vLLM's server makes it a 500).
+    A decode leg that ends so passes the error on, as one engine does, under either policy: no
+    pull failed, so it is not named a KV failure (the client was told the KV did not cross)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="\U000bba58")
+    )
+    prompt = corpus[1500:1540]
+    whole = await generate(engines["p"], prompt, params, rid("plain"))
+    assert whole[-1].finish_reason == "error"  # one engine's answer: what the legs must give
+    for name in ("d", "d_fail"):
+        before = await engines[name].stats.remote()
+        first = await call(engines["p"], Prefill(rid("prefill"), prompt, params, False))
+        deltas = await decode(engines[name], prompt, params, [], first[-1].handle)
+        assert deltas[-1].finish_reason == "error", (name, deltas[-1])
+        assert tokens(deltas) == tokens(whole)
+        after = await engines[name].stats.remote()
+        assert after.kv.counters.failures == before.kv.counters.failures
     await assert_producer_drains(engines["p"])
 
 

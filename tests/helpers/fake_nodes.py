@@ -111,6 +111,9 @@ class FakeNode(NodeClient):
     kv_failure: bool = False
     delay_s: float = 0.0
     first_finishes: bool = False
+    ends_in_error: bool = False
+    """True: its legs that decode end with vLLM's finish reason "error" (the engine's own, as a
+    grammar that rejects its sampled token: no pull failed)."""
     calls: list[Call] = field(default_factory=list)
     healthy: bool = True
     """False: the actor is dead (calls fail with NodeFailed)."""
@@ -162,6 +165,8 @@ class FakeNode(NodeClient):
             plan = [self.token(start + i) for i in range(params.max_tokens)]
         if plan:
             finish = "stop" if prefill and self.first_finishes else "length"
+            if self.ends_in_error and not prefill:
+                finish = "error"
             handle = {"node": self.name, "request": request_id} if prefill else None
             plan[-1] = TokenDelta(plan[-1].token_ids, plan[-1].text, finish, None, 0, handle)
         plan = [replace(delta, num_prompt_tokens=len(prompt)) for delta in plan]

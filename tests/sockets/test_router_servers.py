@@ -17,7 +17,7 @@ from pdserve_core.engine.types import CACHE_SALT_ARG
 from pdserve_proto.v1 import generate_pb2 as pb
 from pdserve_proto.v1 import generate_pb2_grpc as pb_grpc
 from router.decides.admission import Admission
-from router.faces.grpc_api import create_server
+from router.faces.grpc_api import ENGINE_ERROR, create_server
 from router.faces.vllm_face import Renderer
 from router.metrics import RouterMetrics
 from router.service import RouterService
@@ -39,6 +39,7 @@ class Router:
     def reset(self) -> None:
         for fake in self.nodes.values():
             fake.die_after, fake.delay_s, fake.kv_failure = None, 0.0, False
+            fake.ends_in_error = False
             fake.cached_tokens = None
             fake.calls.clear()
             fake.healthy = True
@@ -299,6 +300,31 @@ async def test_grpc_streams_and_maps_errors(router):
             [r async for r in stub.Generate(request, metadata=auth)]
         assert failed.value.code() == grpc.StatusCode.INTERNAL
         assert "KV transfer failed" in failed.value.details()
+    assert router.service.admission.outstanding == 0
+
+
+async def test_an_engine_error_is_vllms_500_once_on_both_faces(http, router):
+    """A decode leg the engine ends with an error of its own (test_faults.py has the real one)
+    is answered as vLLM's server answers it: a 500, or an error event in a stream; gRPC's
+    INTERNAL. Not retried: it is the request's, not the node's."""
+    router.reset()
+    router.nodes["d0"].ends_in_error = True
+    body = {"prompt": "hi", "max_tokens": 4}
+    whole = await http.post("/v1/completions", json=body)
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == 500, whole.text
+    assert "KV" not in whole.text
+    streamed = await http.post("/v1/completions", json={**body, "stream": True})
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500, events
+    async with grpc.aio.insecure_channel(router.grpc) as channel:
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(max_tokens=4))
+        auth = (("authorization", f"Bearer {KEY}"),)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            [r async for r in pb_grpc.GenerationStub(channel).Generate(request, metadata=auth)]
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert failed.value.details() == ENGINE_ERROR
+    assert len(router.nodes["d0"].calls) == 3  # one leg a request
+    router.reset()
     assert router.service.admission.outstanding == 0
 
 
