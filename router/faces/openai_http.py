@@ -65,7 +65,7 @@ def counted() -> None:
 
 REFUSED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "vllm_xargs")
 """Fields the router refuses from every client when they say anything (router/faces/vllm_face.py,
-`prepare`: vLLM passes them to the engine only when truthy)."""
+`prepare`: vLLM passes them to the engine only when truthy, the first two among the last's)."""
 
 
 def runnable(body: bytes) -> bool:

@@ -32,7 +32,13 @@ from pdserve_core.engine import dtype
 from pdserve_core.engine.types import CACHE_SALT_ARG, PositionLogprobs, TokenDelta
 from router.decides.retry import RESTART
 from router.errors import InvalidRequest, ModelNotFound, RequestError
-from router.faces.openai_http import GENERATION_PATHS, Guard, add_operations, counted
+from router.faces.openai_http import (
+    GENERATION_PATHS,
+    REFUSED_FIELDS,
+    Guard,
+    add_operations,
+    counted,
+)
 from router.request import PreparedRequest, num_logprobs
 
 SUPPORTED_TASKS = ("generate",)
@@ -200,8 +206,8 @@ def prepare(prompt: Any, sampling_params: Any, request_id: str) -> PreparedReque
         raise InvalidRequest("pdserve serves token prompts (no multi-modal or streaming input)")
     if sampling_params.extra_args:  # a client's kv_transfer_params, ec_transfer_params, xargs
         extra = sampling_params.extra_args
-        named = (name for name in ("kv_transfer_params", "ec_transfer_params") if name in extra)
-        field = next(named, "vllm_xargs")  # vLLM puts the first two among the last
+        # vLLM puts kv_ and ec_transfer_params among the client's vllm_xargs (the last field)
+        field = next((name for name in REFUSED_FIELDS if name in extra), REFUSED_FIELDS[-1])
         raise InvalidRequest(f"{field} {ENGINE_INTERNAL}", field)
     _check_wire_ints(sampling_params)
     salt = prompt.get("cache_salt")

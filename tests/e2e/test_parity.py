@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 
 import httpx
 import pytest
 
 from pdserve_core.roofline.serving import CPU_BLOCK_TOKENS
+from router.faces.openai_http import REFUSED_FIELDS
 from tests.conftest import phase
 from tests.e2e import parity
 from tests.e2e.conftest import finish_server, start_server
+from tests.helpers import fuzz
 from tests.helpers.vllm_tests import script as vllm_tests
 
 FULL = os.environ.get("PDSERVE_PARITY") == "full"
@@ -141,6 +144,18 @@ class _StartedAhead:
         self._server.__exit__(None, None, None)
 
 
+@functools.cache
+def drawn() -> list[tuple[str, dict]]:
+    """Requests drawn from vLLM's request schemas as the fuzzing tier draws them (a small valid
+    request with odd fields grafted on, or a body drawn whole): both sides must answer each
+    alike. Drawn when first asked (seconds, then kept on disk), not when collected."""
+    return fuzz.bodies("SmolLM2-135M-Instruct", 60, seed=23)
+
+
+DRAWN_ON = ("vllm", "disaggregated")
+ON_PURPOSE = (*REFUSED_FIELDS, "use_beam_search")
+"""Fields pdserve refuses where vLLM accepts them, each with a 400 naming it (docs/api.md)."""
+
 REASONING = parity.reasoning_cases()
 RUNS = (("vllm", "granite"), *((system, None) for system in SYSTEMS), ("disaggregated", "granite"))
 """Every server the module asks, in order: the three systems between plain vLLM and pdserve
@@ -194,6 +209,9 @@ def answers(default_model_dir, tmp_path_factory, corpus_ids):
                     seen[system]["refusals"] = _refusals(url)
                 with phase(f"{label}: wide characters"):
                     seen[system].update(parity.send_all(url, wide))
+                if system in DRAWN_ON:
+                    with phase(f"{label}: drawn requests"):
+                        seen[system]["drawn"] = fuzz.statuses(url, drawn())
                 start_next()
                 # on pdserve, only what passed on vLLM (can regress)
                 only = None if system == "vllm" else vllm_tests().passed(seen["vllm"]["vllm-tests"])
@@ -274,6 +292,23 @@ def test_vllms_own_tests_pass_on_pdserve_wherever_they_pass_on_vllm(answers, sys
     assert set(ours) == suite.passed(theirs)  # pdserve ran every test that passed on vLLM
     regressed = suite.regressions(theirs, ours)
     assert not regressed, f"pass on vllm serve, fail on pdserve {system}: {regressed}"
+
+
+def test_drawn_requests_get_plain_vllms_status_across_the_seam(answers):
+    """Each drawn request gets from pdserve (every prompt across the seam) the class of status
+    plain vLLM gives it — 2xx, 4xx or 5xx, a stream's by the error event it carries — but for
+    the fields it refuses on purpose. Sent to both
+    sides this way, the draw found `ec_transfer_params` refused under another field's name and a
+    grammar's own error told as a failed KV pull."""
+    theirs, ours = answers["vllm"]["drawn"], answers["disaggregated"]["drawn"]
+    differ = []
+    for (path, body), their, our in zip(drawn(), theirs, ours, strict=True):
+        if any(body.get(field) for field in ON_PURPOSE):
+            assert our == 400, (body, our)
+        elif their // 100 != our // 100:
+            differ.append((path, body, their, our))
+    assert differ == []
+    assert theirs.count(200) > len(theirs) // 3, theirs  # the draw reaches the engines
 
 
 def test_the_cases_exercise_what_they_claim(answers):

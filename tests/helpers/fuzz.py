@@ -386,6 +386,41 @@ def _requests_left(url: str, headers: dict, busy: dict, since: float) -> dict[st
     return busy
 
 
+def bodies(model: str, count: int, seed: int) -> list[tuple[str, dict]]:
+    """`count` drawn requests as sent, (path, body): the same for the same seed."""
+    rng = random.Random(seed)
+    return [
+        (path, shape(path, mode, fields, model, rng)) for path, mode, fields in draw(count, seed)
+    ]
+
+
+def outcome(url: str, path: str, body: dict) -> int:
+    """The status a client sees: the HTTP status, or the code of the error event a stream that
+    began with 200 carries (0: no answer)."""
+    try:
+        with httpx.stream(
+            "POST",
+            f"{url}{path}",
+            content=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+            timeout=CLIENT_TIMEOUT_S,
+        ) as response:
+            text = response.read().decode(errors="replace")
+    except httpx.HTTPError:
+        return 0
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in text.splitlines():
+            if line.startswith("data: {") and (error := json.loads(line[6:]).get("error")):
+                return int(error.get("code") or 500)
+    return response.status_code
+
+
+def statuses(url: str, work: list[tuple[str, dict]], concurrency: int = 4) -> list[int]:
+    """The `outcome` of each of `work`'s requests, in order."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda job: outcome(url, *job), work))
+
+
 def run(
     url: str,
     headers: dict,
