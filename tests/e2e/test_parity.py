@@ -297,9 +297,9 @@ def test_vllms_own_tests_pass_on_pdserve_wherever_they_pass_on_vllm(answers, sys
 def test_drawn_requests_get_plain_vllms_status_across_the_seam(answers):
     """Each drawn request gets from pdserve (every prompt across the seam) the class of status
     plain vLLM gives it — 2xx, 4xx or 5xx, a stream's by the error event it carries — but for
-    the fields it refuses on purpose. Sent to both
-    sides this way, the draw found `ec_transfer_params` refused under another field's name and a
-    grammar's own error told as a failed KV pull."""
+    the fields it refuses on purpose. Sent to both sides this way, the draw found
+    `ec_transfer_params` refused under another field's name and a grammar's own error told as a
+    failed KV pull."""
     theirs, ours = answers["vllm"]["drawn"], answers["disaggregated"]["drawn"]
     differ = []
     for (path, body), their, our in zip(drawn(), theirs, ours, strict=True):
