@@ -499,9 +499,10 @@ def _error(error: Any) -> RequestError:
 
 
 def _invalid(error: Any) -> InvalidRequest:
-    """A pydantic `ValidationError` as one message naming each problem. A field of several forms
-    (`stop`: a string or a list of at most 4) fails once per form, and the form the value was
-    not ("Input should be a valid string") says least: a bound it broke is named first."""
+    """A pydantic `ValidationError` as one message naming up to three problems. A field of
+    several forms (`stop`: a string or a list of at most 4) fails once per form, and the form the
+    value was not ("Input should be a valid string") says least: such complaints are left out
+    when any other problem is found (a bound broken)."""
     problems = error.errors(include_url=False, include_input=False)
     telling = [p for p in problems if not p["type"].endswith("_type")] or problems
     said = dict.fromkeys(
